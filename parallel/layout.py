@@ -1,0 +1,142 @@
+"""The parallel layout as plain arithmetic: world = PP x DP x TP, with node topology.
+
+Rank order (SPEC §1): TP innermost (adjacent ranks, same node), PP outermost::
+
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+
+``make_layout`` checks every number against every other before a process group
+exists, so an impossible layout stops identically on all ranks with a message
+that names the numbers, instead of hanging or failing deep inside a shape error.
+It is pure, so it is unit-tested without launching processes.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Tuple
+
+from training.config import Config, ConfigError
+
+
+@dataclass(frozen=True)
+class Layout:
+    world_size: int
+    tp: int
+    pp: int
+    dp: int
+    virtual_stages: int
+    ranks_per_node: int
+    sequence_parallel: bool
+    num_microbatches: int
+    """Micro-batches per optimizer step on each data-parallel rank."""
+
+    def coords(self, rank: int) -> Tuple[int, int, int]:
+        """(pp_rank, dp_rank, tp_rank) of a global rank."""
+        return rank // (self.dp * self.tp), (rank // self.tp) % self.dp, rank % self.tp
+
+    def rank_of(self, pp_rank: int, dp_rank: int, tp_rank: int) -> int:
+        return (pp_rank * self.dp + dp_rank) * self.tp + tp_rank
+
+    def node_of(self, rank: int) -> int:
+        return rank // self.ranks_per_node
+
+    def tp_ranks(self, rank: int) -> List[int]:
+        p, d, _ = self.coords(rank)
+        return [self.rank_of(p, d, t) for t in range(self.tp)]
+
+    def dp_ranks(self, rank: int) -> List[int]:
+        p, _, t = self.coords(rank)
+        return [self.rank_of(p, d, t) for d in range(self.dp)]
+
+    def pp_ranks(self, rank: int) -> List[int]:
+        _, d, t = self.coords(rank)
+        return [self.rank_of(p, d, t) for p in range(self.pp)]
+
+    def dp_intra_ranks(self, rank: int) -> List[int]:
+        """DP peers on this rank's node (size X)."""
+        return [r for r in self.dp_ranks(rank) if self.node_of(r) == self.node_of(rank)]
+
+    def dp_inter_ranks(self, rank: int) -> List[int]:
+        """DP peers with this rank's intra-node index, one per node (size Y)."""
+        peers = self.dp_ranks(rank)
+        index = self.dp_intra_ranks(rank).index(rank)
+        by_node: dict = {}
+        for r in peers:
+            by_node.setdefault(self.node_of(r), []).append(r)
+        return [members[index] for _, members in sorted(by_node.items())]
+
+    def embedding_ranks(self, rank: int) -> List[int]:
+        """First and last pipeline stage at this rank's (dp, tp) coordinate; just this rank on a middle stage."""
+        stages = self.pp_ranks(rank)
+        if rank not in (stages[0], stages[-1]):
+            return [rank]
+        return sorted({stages[0], stages[-1]})
+
+    def model_parallel_ranks(self, rank: int) -> List[int]:
+        """All ranks holding a piece of the same model replica (same dp_rank)."""
+        _, d, _ = self.coords(rank)
+        return [self.rank_of(p, d, t) for p in range(self.pp) for t in range(self.tp)]
+
+    @property
+    def dp_intra_size(self) -> int:
+        return len(self.dp_intra_ranks(0))
+
+    @property
+    def dp_inter_size(self) -> int:
+        return self.dp // self.dp_intra_size
+
+    def describe(self) -> str:
+        return (f"world={self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}"
+                f" (virtual_stages={self.virtual_stages}, sequence_parallel={self.sequence_parallel},"
+                f" ranks_per_node={self.ranks_per_node}, dp_intra={self.dp_intra_size},"
+                f" dp_inter={self.dp_inter_size}, microbatches={self.num_microbatches})")
+
+
+def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> Layout:
+    """Validate cfg.parallel against the model, the batch and the launch; return the layout."""
+    par, m, t = cfg.parallel, cfg.model, cfg.train
+    errors: List[str] = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    tp, pp, vp = par.tp, par.pp, par.virtual_stages
+    rpn = par.ranks_per_node if par.ranks_per_node is not None else launcher_ranks_per_node
+    need(world_size % (tp * pp) == 0,
+         f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp} = {tp * pp}")
+    dp = max(world_size // (tp * pp), 1)
+    need(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
+    need(m.vocab_size % tp == 0, f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}")
+    need(m.ffn_size % tp == 0, f"MLP hidden size {m.ffn_size} (model.ffn_hidden) is not divisible by parallel.tp={tp}")
+    need(vp == 1 or pp > 1, f"parallel.virtual_stages={vp} needs parallel.pp > 1 (got pp={pp})")
+    need(m.n_layers % (pp * vp) == 0,
+         f"model.n_layers={m.n_layers} is not divisible by parallel.pp={pp} x parallel.virtual_stages={vp}"
+         f" = {pp * vp} (every model chunk must hold the same number of layers)")
+    if par.sequence_parallel:
+        need(m.seq_len % tp == 0,
+             f"model.seq_len={m.seq_len} is not divisible by parallel.tp={tp} (sequence parallelism splits it)")
+    per_step = t.micro_batch_size * dp
+    need(t.global_batch_size % per_step == 0,
+         f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
+         f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}")
+    num_mb = max(t.global_batch_size // per_step, 1)
+    if pp > 1:
+        need(num_mb >= pp, f"{num_mb} micro-batches per step (global_batch_size={t.global_batch_size} / "
+                           f"(micro_batch_size={t.micro_batch_size} x dp={dp})) is fewer than parallel.pp={pp} "
+                           "pipeline stages")
+    if vp > 1:
+        need(num_mb % pp == 0, f"the interleaved schedule needs micro-batches per step ({num_mb}) divisible by "
+                               f"parallel.pp={pp}")
+    need(rpn >= 1 and world_size % rpn == 0,
+         f"parallel.ranks_per_node={rpn} does not divide the world size {world_size}")
+    need(rpn < 1 or rpn % tp == 0 or world_size <= rpn,
+         f"tensor parallelism would span nodes: parallel.tp={tp} does not divide parallel.ranks_per_node={rpn}")
+    if errors:
+        raise ConfigError("impossible parallel layout:\n  - " + "\n  - ".join(errors))
+    layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=min(rpn, world_size),
+                    sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb)
+    sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}
+    if len(sizes) != 1:
+        raise ConfigError(f"impossible parallel layout: data-parallel peers are spread unevenly over nodes "
+                          f"(ranks_per_node={rpn}, {layout.describe()}); dp_intra sizes {sorted(sizes)}")
+    return layout

@@ -1,0 +1,358 @@
+"""Typed experiment configuration.
+
+Precedence: dataclass defaults < YAML file (``--config``) < command-line dotlist
+(``train.max_steps=10 model.d_model=256``). Loading goes through omegaconf's
+structured configs, so an unknown key or a value of the wrong type is rejected by
+omegaconf itself; ``validate`` then checks the numbers against each other and
+against the launch (world size, node size) before anything is built.
+
+Every field carries a docstring; ``python train.py --help`` prints them.
+"""
+from __future__ import annotations
+
+import dataclasses
+import typing
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A configuration value is missing, unknown, of the wrong type or inconsistent."""
+
+
+@dataclass
+class ModelConfig:
+    n_layers: int = 4
+    """Number of transformer blocks."""
+    d_model: int = 128
+    """Hidden size."""
+    n_heads: int = 4
+    """Attention heads; d_model must be divisible by it."""
+    seq_len: int = 128
+    """Training sequence length in tokens."""
+    max_seq_len: Optional[int] = None
+    """The model's maximum sequence length (rotary table size); defaults to seq_len."""
+    vocab_size: int = 4096
+    """Embedding rows (padded vocabulary); must cover the tokenizer's vocabulary."""
+    ffn_hidden: Optional[int] = None
+    """MLP hidden size; default 4*d_model for gelu, 8/3*d_model rounded up to 64 for swiglu."""
+    activation: str = "swiglu"
+    """MLP type: swiglu | gelu."""
+    norm: str = "rmsnorm"
+    """Normalisation: rmsnorm | layernorm."""
+    norm_eps: float = 1e-5
+    """Epsilon of the normalisation layers."""
+    rope_theta: float = 10000.0
+    """Rotary position embedding base."""
+    tie_embeddings: bool = False
+    """Share the input embedding with the output projection."""
+    bias: bool = False
+    """Use biases in linear layers (GPT-2 style)."""
+    dropout: float = 0.0
+    """Dropout on embeddings and on each residual branch."""
+    attention_dropout: float = 0.0
+    """Dropout on attention probabilities."""
+    init_std: float = 0.02
+    """Std of the normal initialisation; output projections use init_std/sqrt(2*n_layers)."""
+    activation_checkpointing: str = "off"
+    """Recompute activations in backward: off | full (every block) | selective (attention core)."""
+
+    @property
+    def head_dim(self) -> int:
+        return self.d_model // self.n_heads
+
+    @property
+    def ffn_size(self) -> int:
+        if self.ffn_hidden is not None:
+            return self.ffn_hidden
+        if self.activation == "swiglu":
+            return -(-int(8 * self.d_model / 3) // 64) * 64
+        return 4 * self.d_model
+
+    @property
+    def max_positions(self) -> int:
+        return self.max_seq_len if self.max_seq_len is not None else self.seq_len
+
+
+@dataclass
+class ParallelConfig:
+    tp: int = 1
+    """Tensor-parallel size (innermost, must stay inside a node)."""
+    pp: int = 1
+    """Pipeline-parallel size (outermost)."""
+    sequence_parallel: bool = False
+    """Split norm/dropout/residual regions along the sequence across the TP group."""
+    virtual_stages: int = 1
+    """Model chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    ranks_per_node: Optional[int] = None
+    """Ranks per node; default from the launcher (LOCAL_WORLD_SIZE / SLURM). Lets one machine simulate nodes."""
+    bucket_mb: float = 25.0
+    """Gradient all-reduce bucket size for data parallelism, in MiB."""
+    overlap_grad_reduce: bool = True
+    """Launch each gradient bucket's all-reduce as soon as it is ready during backward."""
+    timeout_s: float = 600.0
+    """Collective timeout; a stuck or dead peer fails the job after this long."""
+
+
+@dataclass
+class ZeroConfig:
+    stage: int = 0
+    """ZeRO stage (0 = plain data parallel). Stages 1-3 and ZeRO++ are not implemented yet."""
+    quantized_weights: bool = False
+    """qwZ: int8 blockwise-quantized weight all-gather (not implemented yet)."""
+    hpz_size: int = 1
+    """hpZ: secondary weight partition group size, 1 = off (not implemented yet)."""
+    quantized_gradients: bool = False
+    """qgZ: int4 hierarchical all-to-all gradient reduce-scatter (not implemented yet)."""
+
+
+@dataclass
+class TrainConfig:
+    max_steps: int = 200
+    """Optimizer steps to run."""
+    micro_batch_size: int = 8
+    """Sequences per micro-batch on each data-parallel rank."""
+    global_batch_size: int = 16
+    """Sequences per optimizer step over all data-parallel ranks (gradient accumulation fills the gap)."""
+    seed: int = 1234
+    """Seed of initialisation, data order and dropout."""
+    lr: float = 2e-3
+    """Peak learning rate."""
+    min_lr_ratio: float = 0.1
+    """Cosine decay floor as a fraction of the peak."""
+    warmup_steps: int = 20
+    """Linear warm-up steps."""
+    decay_steps: Optional[int] = None
+    """Steps from the start to the end of the cosine decay; default max_steps."""
+    weight_decay: float = 0.1
+    """AdamW weight decay (not applied to norms and biases)."""
+    beta1: float = 0.9
+    """AdamW beta1."""
+    beta2: float = 0.95
+    """AdamW beta2."""
+    eps: float = 1e-8
+    """AdamW epsilon."""
+    grad_clip: float = 1.0
+    """Clip the global gradient norm to this value (0 = off)."""
+    eval_interval: int = 50
+    """Run validation every this many steps (0 = never)."""
+    eval_iters: int = 4
+    """Global batches per validation."""
+    time_limit_minutes: Optional[float] = None
+    """Stop (saving a checkpoint) once this much wall-clock time has passed."""
+
+
+@dataclass
+class LossScaleConfig:
+    initial: float = 65536.0
+    """Starting loss scale for fp16."""
+    growth_interval: int = 1000
+    """Double the scale after this many steps without inf/nan."""
+    min_scale: float = 1.0
+    """Never halve below this; reaching it with overflow is an error."""
+
+
+@dataclass
+class DataConfig:
+    paths: List[str] = field(default_factory=lambda: ["data/sample/sample_text_document"])
+    """Prefixes of preprocessed .bin/.idx pairs."""
+    weights: Optional[List[float]] = None
+    """Blending weights, one per path (default: equal)."""
+    split: List[float] = field(default_factory=lambda: [0.95, 0.05])
+    """Train/validation fractions of each dataset's documents."""
+    tokenizer: str = "data/sample/tokenizer.model"
+    """sentencepiece model used to build the data (its vocabulary bounds model.vocab_size)."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory; default <logging.run_dir>/checkpoints. Resumes from its newest valid checkpoint."""
+    interval: int = 100
+    """Save every this many steps (0 = only at exit)."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints."""
+    resume: bool = True
+    """Resume from the newest valid checkpoint in dir when there is one."""
+    load: Optional[str] = None
+    """Start from this checkpoint directory instead (e.g. another run's); must be valid."""
+    save_at_exit: bool = True
+    """Save when the run ends (max steps, time limit or SIGTERM/SIGUSR1)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """online | offline | disabled."""
+    project: str = "gpt-pretrain"
+    """wandb project."""
+    name: Optional[str] = None
+    """Run name; default the run directory's name."""
+    entity: Optional[str] = None
+    """wandb entity (team)."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: Optional[str] = None
+    """Where metrics.jsonl, wandb files and (by default) checkpoints go; default runs/<config>-<time>."""
+    interval: int = 10
+    """Log training metrics every this many steps."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
+
+
+@dataclass
+class Config:
+    model: ModelConfig = field(default_factory=ModelConfig)
+    parallel: ParallelConfig = field(default_factory=ParallelConfig)
+    zero: ZeroConfig = field(default_factory=ZeroConfig)
+    train: TrainConfig = field(default_factory=TrainConfig)
+    loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
+    data: DataConfig = field(default_factory=DataConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    logging: LoggingConfig = field(default_factory=LoggingConfig)
+    precision: str = "fp32"
+    """fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (not implemented yet)."""
+    device: str = "auto"
+    """auto (cuda when present) | cpu | cuda."""
+
+
+def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Defaults < YAML < dotlist overrides, type-checked by omegaconf, then returned as dataclasses."""
+    base = OmegaConf.structured(Config)
+    layers = []
+    try:
+        if yaml_path is not None:
+            layers.append(OmegaConf.load(yaml_path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must look like key=value, got {bad}")
+            layers.append(OmegaConf.from_dotlist(list(overrides)))
+        merged = OmegaConf.merge(base, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {yaml_path}") from e
+    except OmegaConfBaseException as e:
+        where = f" in {yaml_path}" if yaml_path else ""
+        raise ConfigError(f"invalid config{where}: {_omegaconf_message(e)}") from None
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"{key}: {msg}" if key and key not in msg else msg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def describe(cls: type = Config, prefix: str = "") -> List[str]:
+    """One line per field: dotted key, type, default, docstring (for --help)."""
+    docs = _field_docs(cls)
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.extend(describe(hints[f.name], key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        tname = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+        lines.append(f"  {key} ({tname}, default {default!r}): {docs.get(f.name, '')}")
+    return lines
+
+
+def _field_docs(cls: type) -> dict:
+    """Attribute docstrings (the string literal under each field) read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]
+    return docs
+
+
+_CHOICES = {
+    "model.activation": ("swiglu", "gelu"),
+    "model.norm": ("rmsnorm", "layernorm"),
+    "model.activation_checkpointing": ("off", "full", "selective"),
+    "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "device": ("auto", "cpu", "cuda"),
+    "logging.wandb.mode": ("online", "offline", "disabled"),
+}
+
+
+def _get(cfg: Config, dotted: str):
+    obj = cfg
+    for part in dotted.split("."):
+        obj = getattr(obj, part)
+    return obj
+
+
+def validate_config(cfg: Config) -> None:
+    """Checks that need no knowledge of the launch: choices, ranges, numbers against each other."""
+    errors = []
+
+    def need(ok: bool, msg: str) -> None:
+        if not ok:
+            errors.append(msg)
+
+    for key, choices in _CHOICES.items():
+        need(_get(cfg, key) in choices, f"{key}={_get(cfg, key)!r} is not one of {list(choices)}")
+    m, t = cfg.model, cfg.train
+    for key in ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
+                "train.max_steps", "train.micro_batch_size", "train.global_batch_size",
+                "parallel.tp", "parallel.pp", "parallel.virtual_stages", "logging.interval"):
+        need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
+    need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    need(m.head_dim % 2 == 0, f"head dim d_model/n_heads={m.d_model}/{m.n_heads} must be even for rotary embeddings")
+    need(m.seq_len <= m.max_positions,
+         f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
+    need(m.ffn_size >= 1, f"model.ffn_hidden={m.ffn_hidden} must be >= 1")
+    for key in ("model.dropout", "model.attention_dropout"):
+        need(0.0 <= _get(cfg, key) < 1.0, f"{key}={_get(cfg, key)} must be in [0, 1)")
+    need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
+    need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
+    need(t.decay_steps is None or t.decay_steps > t.warmup_steps,
+         f"train.decay_steps={t.decay_steps} must exceed train.warmup_steps={t.warmup_steps}")
+    need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
+    need(t.eval_interval >= 0 and t.eval_iters >= 1,
+         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
+    need(t.global_batch_size % t.micro_batch_size == 0,
+         f"train.global_batch_size={t.global_batch_size} is not divisible by "
+         f"train.micro_batch_size={t.micro_batch_size}")
+    need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 1,
+         f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 and "
+         f"checkpoint.keep_last={cfg.checkpoint.keep_last} >= 1")
+    need(cfg.loss_scale.initial >= cfg.loss_scale.min_scale > 0,
+         f"loss_scale.initial={cfg.loss_scale.initial} must be >= loss_scale.min_scale={cfg.loss_scale.min_scale} > 0")
+    need(len(cfg.data.paths) >= 1, "data.paths is empty")
+    need(cfg.data.weights is None or len(cfg.data.weights) == len(cfg.data.paths),
+         f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
+    need(len(cfg.data.split) == 2 and min(cfg.data.split) >= 0 and cfg.data.split[0] > 0,
+         f"data.split={cfg.data.split} must be two non-negative fractions [train, valid] with train > 0")
+    need(cfg.precision != "fp8", "precision=fp8 is not implemented yet (FP8-LM is a later milestone)")
+    z = cfg.zero
+    need(z.stage == 0 and not z.quantized_weights and not z.quantized_gradients and z.hpz_size == 1,
+         f"zero.stage={z.stage}, zero.quantized_weights={z.quantized_weights}, zero.hpz_size={z.hpz_size}, "
+         f"zero.quantized_gradients={z.quantized_gradients}: ZeRO/ZeRO++ are not implemented yet; "
+         "use zero.stage=0 (plain data parallelism)")
+    if errors:
+        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
