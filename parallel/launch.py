@@ -1,0 +1,143 @@
+"""Who am I in the job: read the launcher's environment and initialise torch.distributed.
+
+Three launchers are understood, checked in this order:
+
+* torchrun (and anything else that sets RANK / WORLD_SIZE / MASTER_ADDR / MASTER_PORT);
+* SLURM ``srun`` (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_JOB_NODELIST ...),
+  the master being the first host of the node list;
+* nothing: a single process (a process group of one is still created so that
+  every code path, DeviceMesh and checkpointing included, is the same).
+
+A malformed environment is an error that names the variable.
+"""
+from __future__ import annotations
+
+import os
+import re
+from dataclasses import dataclass
+from datetime import timedelta
+from typing import List, Mapping, Optional
+
+import torch
+import torch.distributed as dist
+
+
+class LaunchError(RuntimeError):
+    """The launcher's environment is inconsistent or incomplete."""
+
+
+@dataclass(frozen=True)
+class LaunchEnv:
+    rank: int
+    world_size: int
+    local_rank: int
+    local_world_size: int
+    master_addr: str
+    master_port: int
+    launcher: str
+    """torchrun | slurm | single."""
+
+
+def _int(env: Mapping[str, str], name: str) -> int:
+    value = env.get(name)
+    if value is None:
+        raise LaunchError(f"environment variable {name} is not set")
+    try:
+        return int(value)
+    except ValueError:
+        raise LaunchError(f"environment variable {name}={value!r} is not an integer") from None
+
+
+def parse_slurm_nodelist(nodelist: str) -> List[str]:
+    """Expand SLURM's compressed host list, e.g. ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1."""
+    hosts: List[str] = []
+    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
+        prefix, ranges = match.group(1), match.group(2)
+        if not prefix and not ranges:
+            continue
+        if ranges is None:
+            hosts.append(prefix)
+            continue
+        for part in ranges.split(","):
+            lo, _, hi = part.partition("-")
+            if not lo.isdigit() or (hi and not hi.isdigit()):
+                raise LaunchError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
+            width = len(lo)
+            for i in range(int(lo), int(hi or lo) + 1):
+                hosts.append(f"{prefix}{i:0{width}d}")
+    if not hosts:
+        raise LaunchError(f"cannot parse SLURM node list {nodelist!r}")
+    return hosts
+
+
+def _slurm_tasks_on_first_node(value: str) -> int:
+    """SLURM_TASKS_PER_NODE looks like '4(x2),3' – the first count is our node size."""
+    m = re.match(r"(\d+)", value)
+    if not m:
+        raise LaunchError(f"cannot parse SLURM_TASKS_PER_NODE={value!r}")
+    return int(m.group(1))
+
+
+def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
+    env = os.environ if env is None else env
+    if "RANK" in env or "WORLD_SIZE" in env:
+        rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
+        local_rank = int(env.get("LOCAL_RANK", rank))
+        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        addr = env.get("MASTER_ADDR")
+        if addr is None:
+            raise LaunchError("RANK/WORLD_SIZE are set but MASTER_ADDR is not (launch with torchrun or set it)")
+        port = _int(env, "MASTER_PORT")
+        launcher = "torchrun"
+    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+        rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
+        local_rank = _int(env, "SLURM_LOCALID")
+        per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
+        if per_node is None:
+            raise LaunchError("SLURM_NTASKS_PER_NODE / SLURM_TASKS_PER_NODE is not set")
+        local_world = _slurm_tasks_on_first_node(per_node)
+        nodelist = env.get("SLURM_STEP_NODELIST") or env.get("SLURM_JOB_NODELIST")
+        if nodelist is None:
+            raise LaunchError("SLURM_JOB_NODELIST is not set")
+        addr = env.get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0]
+        job = int(env.get("SLURM_JOB_ID", "0") or 0)
+        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + job % 20000
+        launcher = "slurm"
+    else:
+        return LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")
+    if not 0 <= rank < world:
+        raise LaunchError(f"rank {rank} is outside the world size {world} ({launcher} environment)")
+    if not 0 <= local_rank < local_world or local_world > world:
+        raise LaunchError(f"local rank {local_rank} / local world size {local_world} are inconsistent with "
+                          f"world size {world} ({launcher} environment)")
+    return LaunchEnv(rank, world, local_rank, local_world, addr, port, launcher)
+
+
+def pick_device(requested: str, env: LaunchEnv) -> torch.device:
+    if requested == "cpu" or (requested == "auto" and not torch.cuda.is_available()):
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        raise LaunchError("device=cuda was requested but CUDA is not available")
+    count = torch.cuda.device_count()
+    if env.local_rank >= count:
+        raise LaunchError(f"local rank {env.local_rank} has no GPU: this node has {count} visible GPUs")
+    torch.cuda.set_device(env.local_rank)
+    return torch.device("cuda", env.local_rank)
+
+
+def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float) -> None:
+    """Create the default process group: NCCL on GPU, gloo on CPU, with a collective timeout."""
+    if dist.is_initialized():
+        return
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    timeout = timedelta(seconds=timeout_s)
+    if env.launcher == "single":
+        dist.init_process_group(backend, store=dist.HashStore(), rank=0, world_size=1, timeout=timeout)
+        return
+    # env:// honours torchrun's agent-hosted store (TORCHELASTIC_USE_AGENT_STORE); for SLURM we export
+    # the variables it reads.
+    os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
+                      RANK=str(env.rank), WORLD_SIZE=str(env.world_size))
+    kwargs = {"device_id": device} if device.type == "cuda" else {}
+    dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
+                            timeout=timeout, **kwargs)
