@@ -1,0 +1,36 @@
+"""Analytic parameter count and FLOPs per token of the GPT (for MFU).
+
+Model FLOPs count the matrix multiplies of forward and backward (backward = 2x
+forward) and the attention score / weighted-sum products at full (non-causal)
+length, the PaLM / Megatron convention; recomputation is not counted (MFU, not
+hardware FLOPs utilisation). Element-wise work, norms and softmax are ignored.
+"""
+from __future__ import annotations
+
+from typing import Dict
+
+from training.config import ModelConfig
+
+
+def parameter_count(cfg: ModelConfig) -> Dict[str, int]:
+    d, f, v, L = cfg.d_model, cfg.ffn_size, cfg.vocab_size, cfg.n_layers
+    up = (2 if cfg.activation == "swiglu" else 1) * d * f
+    b = cfg.bias
+    norm = d * (2 if cfg.norm == "layernorm" else 1)
+    per_layer = 3 * d * d + d * d + up + f * d + 2 * norm
+    if b:
+        per_layer += 3 * d + d + (2 if cfg.activation == "swiglu" else 1) * f + d
+    embedding = v * d
+    head = 0 if cfg.tie_embeddings else v * d
+    total = embedding + L * per_layer + norm + head
+    return {"total": total, "embedding": embedding, "non_embedding": total - embedding - head}
+
+
+def flops_per_token(cfg: ModelConfig) -> float:
+    """Training (forward + backward) model FLOPs per token at sequence length cfg.seq_len."""
+    d, f, v, L, s = cfg.d_model, cfg.ffn_size, cfg.vocab_size, cfg.n_layers, cfg.seq_len
+    up = (2 if cfg.activation == "swiglu" else 1) * d * f
+    matmul_params = L * (3 * d * d + d * d + up + f * d) + d * v
+    attention = L * 2 * s * d  # QK^T and AV: s*d multiply-adds each, per token per layer
+    forward = 2 * matmul_params + 2 * attention
+    return 3.0 * forward

@@ -1,0 +1,118 @@
+"""The GPT decoder, built as pipeline model chunks.
+
+A chunk holds a contiguous range of transformer blocks, plus the token embedding
+if it is the first chunk of the whole model and the final norm, output projection
+and loss if it is the last. The single-process model is the one chunk that holds
+everything; pipeline stages (and interleaved virtual stages) hold several.
+
+Parameter names are global (``layers.17.attn.qkv.weight``) whatever the layout,
+which is what makes initialisation and checkpoints layout-independent.
+"""
+from __future__ import annotations
+
+from typing import Iterator, List, Optional, Sequence, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from model.init import init_parameters
+from model.layers import Block, Norm, TPContext
+from parallel.cross_entropy import vocab_parallel_cross_entropy
+from parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
+from training.config import ModelConfig
+
+EMBEDDING = "embedding.weight"
+
+
+class GPTChunk(nn.Module):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, layers: Sequence[int], *, first: bool, last: bool,
+                 tied_copy: bool = False):
+        """``tied_copy``: the output projection is a copy of the embedding living on another stage."""
+        super().__init__()
+        self.cfg, self.ctx, self.first, self.last = cfg, ctx, first, last
+        self.layer_ids = list(layers)
+        sp = ctx.sequence_parallel
+        if first:
+            self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, ctx.tp, sequence_parallel=sp,
+                                                    std=cfg.init_std)
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx) for i in self.layer_ids})
+        if last:
+            self.final_norm = Norm(cfg, ctx)
+            self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, ctx.tp, sequence_parallel=sp,
+                                             std=cfg.init_std)
+            if cfg.tie_embeddings and first:
+                self.head.weight = self.embedding.weight
+            elif cfg.tie_embeddings:
+                assert tied_copy
+                self.head.weight.spec.shared_with = EMBEDDING
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        x = self.embedding(tokens)  # [s(/tp), b, h]
+        if torch.is_autocast_enabled(x.device.type):
+            x = x.to(torch.get_autocast_dtype(x.device.type))  # the residual stream runs in the compute dtype
+        if self.cfg.dropout > 0 and self.training:
+            if self.ctx.sequence_parallel:
+                with self.ctx.rng.fork():
+                    x = F.dropout(x, self.cfg.dropout, True)
+            else:
+                x = F.dropout(x, self.cfg.dropout, True)
+        return x
+
+    def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """Mean next-token loss over the micro-batch; logits exist only as this rank's vocabulary slice."""
+        logits = self.head(self.final_norm(x))  # [s, b, V/tp]
+        return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp).mean()
+
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] (first chunk) or hidden [s(/tp), b, h] -> hidden, or the loss on the last chunk."""
+        if self.first:
+            x = self.embed(x)
+        full = self.cfg.activation_checkpointing == "full" and torch.is_grad_enabled()
+        for block in self.layers.values():
+            if full:
+                x = checkpoint(block, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
+            else:
+                x = block(x)
+        if self.last:
+            if labels is None:
+                raise ValueError("the last model chunk needs labels to compute the loss")
+            return self.loss(x, labels)
+        return x
+
+    def logits(self, tokens: torch.Tensor) -> torch.Tensor:
+        """Full-vocabulary logits ``[b, s, V]`` of a whole single-process model (for sampling)."""
+        assert self.first and self.last and self.ctx.tp.size == 1, "logits() is for a single-process model"
+        x = self.embed(tokens)
+        for block in self.layers.values():
+            x = block(x)
+        return self.head(self.final_norm(x)).transpose(0, 1)
+
+
+def chunk_layers(cfg: ModelConfig, pp: int, virtual_stages: int, pp_rank: int) -> List[Tuple[int, range]]:
+    """(virtual stage id, layer range) of each chunk on a pipeline rank: virtual stage v = chunk*pp + rank."""
+    per_chunk = cfg.n_layers // (pp * virtual_stages)
+    out = []
+    for chunk in range(virtual_stages):
+        v = chunk * pp + pp_rank
+        out.append((v, range(v * per_chunk, (v + 1) * per_chunk)))
+    return out
+
+
+def build_chunks(cfg: ModelConfig, ctx: TPContext, pp: int, virtual_stages: int, pp_rank: int, seed: int,
+                 device: torch.device) -> List[GPTChunk]:
+    """This rank's model chunks, initialised to exactly the single-process model's values."""
+    last_v = pp * virtual_stages - 1
+    chunks = []
+    for v, layers in chunk_layers(cfg, pp, virtual_stages, pp_rank):
+        chunk = GPTChunk(cfg, ctx, layers, first=v == 0, last=v == last_v, tied_copy=cfg.tie_embeddings and last_v > 0)
+        init_parameters(chunk, seed, ctx.tp.rank, ctx.tp.size)
+        chunks.append(chunk.to(device))
+    return chunks
+
+
+def named_parameters(chunks: Sequence[nn.Module]) -> Iterator[Tuple[str, nn.Parameter]]:
+    """Global names of this rank's parameters (chunks hold disjoint global names)."""
+    for chunk in chunks:
+        yield from chunk.named_parameters()

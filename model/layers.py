@@ -1,0 +1,162 @@
+"""Transformer building blocks, sequence-first ``[s, b, h]``, parallel-aware.
+
+With a TP group of one rank every parallel layer is a plain layer, so the same
+code is the single-process model and each rank's shard of the parallel one.
+Attention goes through ``scaled_dot_product_attention`` (flash / memory-efficient
+kernels on GPU).
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+from torch.utils.checkpoint import checkpoint
+
+from parallel.comm import Group
+from parallel.random import RNGTracker
+from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, new_param, scaled_init_std
+from training.config import ModelConfig
+
+
+@dataclass
+class TPContext:
+    """What a layer needs to know about tensor parallelism."""
+
+    tp: Group
+    sequence_parallel: bool
+    rng: RNGTracker
+
+
+class Norm(nn.Module):
+    """RMSNorm or LayerNorm, computed in fp32, returned in the input's dtype.
+
+    Under sequence parallelism each TP rank normalises its own sequence slice, so the
+    weight's gradient is partial: its spec asks for a sum over TP.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext):
+        super().__init__()
+        self.kind, self.eps = cfg.norm, cfg.norm_eps
+        sp = ctx.sequence_parallel
+        self.weight = new_param((cfg.d_model,), None, 1, init="ones", sequence_parallel=sp)
+        self.bias = new_param((cfg.d_model,), None, 1, init="zeros", sequence_parallel=sp) \
+            if cfg.norm == "layernorm" else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        shape = (x.shape[-1],)
+        with torch.autocast(x.device.type, enabled=False):
+            if self.kind == "rmsnorm":
+                y = F.rms_norm(x.float(), shape, self.weight, self.eps)
+            else:
+                y = F.layer_norm(x.float(), shape, self.weight, self.bias, self.eps)
+        return y.to(x.dtype)
+
+
+class Rotary(nn.Module):
+    """Rotary position embedding (rotate-half form) for ``[s, b, heads, head_dim]``."""
+
+    def __init__(self, head_dim: int, max_positions: int, theta: float):
+        super().__init__()
+        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
+        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.cat([angles, angles], dim=-1)  # [s, head_dim]
+        self.register_buffer("cos", angles.cos().float()[:, None, None, :], persistent=False)
+        self.register_buffer("sin", angles.sin().float()[:, None, None, :], persistent=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s = x.shape[0]
+        x1, x2 = x.chunk(2, dim=-1)
+        rotated = torch.cat([-x2, x1], dim=-1)
+        return (x * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
+
+
+class Attention(nn.Module):
+    """Causal self-attention; heads are split over TP (QKV column-parallel, output row-parallel)."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext):
+        super().__init__()
+        self.ctx = ctx
+        self.heads = cfg.n_heads // ctx.tp.size
+        self.head_dim = cfg.head_dim
+        self.dropout = cfg.attention_dropout
+        self.selective_checkpoint = cfg.activation_checkpointing == "selective"
+        sp, std = ctx.sequence_parallel, cfg.init_std
+        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+                                        std=std, fused=3)
+        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+                                      std=scaled_init_std(std, cfg.n_layers))
+        self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
+
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
+        with self.ctx.rng.fork():
+            o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
+                                               dropout_p=self.dropout if self.training else 0.0)
+        return o.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d]
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        qkv = self.qkv(x)
+        s, b = qkv.shape[:2]
+        q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).unbind(2)
+        if self.selective_checkpoint and torch.is_grad_enabled():
+            o = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
+        else:
+            o = self._core(q, k, v)
+        return self.proj(o)
+
+
+class MLP(nn.Module):
+    """SwiGLU (gate and up fused in one column-parallel GEMM) or GELU; down projection row-parallel."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext):
+        super().__init__()
+        self.swiglu = cfg.activation == "swiglu"
+        sp, std = ctx.sequence_parallel, cfg.init_std
+        self.up = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+                                       std=std, fused=2 if self.swiglu else 1)
+        self.down = RowParallelLinear(cfg.ffn_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+                                      std=scaled_init_std(std, cfg.n_layers))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.up(x)
+        if self.swiglu:
+            gate, up = h.unflatten(-1, (2, -1)).unbind(-2)
+            h = F.silu(gate) * up
+        else:
+            h = F.gelu(h, approximate="tanh")
+        return self.down(h)
+
+
+class ResidualDropout(nn.Module):
+    """Dropout on a residual branch; per-TP-rank stream when the activation is sequence-split."""
+
+    def __init__(self, p: float, ctx: TPContext):
+        super().__init__()
+        self.p, self.ctx = p, ctx
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if self.p == 0.0 or not self.training:
+            return x
+        if self.ctx.sequence_parallel:
+            with self.ctx.rng.fork():
+                return F.dropout(x, self.p, True)
+        return F.dropout(x, self.p, True)
+
+
+class Block(nn.Module):
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext):
+        super().__init__()
+        self.attn_norm = Norm(cfg, ctx)
+        self.attn = Attention(cfg, ctx)
+        self.mlp_norm = Norm(cfg, ctx)
+        self.mlp = MLP(cfg, ctx)
+        self.drop = ResidualDropout(cfg.dropout, ctx)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.drop(self.attn(self.attn_norm(x)))
+        return x + self.drop(self.mlp(self.mlp_norm(x)))

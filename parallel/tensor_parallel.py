@@ -1,0 +1,223 @@
+"""Megatron tensor and sequence parallelism (SPEC §2).
+
+Activations are sequence-first, ``[s, b, h]``, so that the sequence split of
+sequence parallelism is a contiguous split of dim 0.
+
+The conjugate operators, as in the Megatron paper:
+
+  f   copy_to_tp        identity forward      / all-reduce backward
+  g   reduce_from_tp    all-reduce forward    / identity backward
+  with sequence parallelism, g and f become
+  g   gather_from_sp    all-gather (seq) fwd  / reduce-scatter (seq) bwd    (before a column layer)
+  g'  scatter_to_sp     reduce-scatter fwd    / all-gather bwd              (after a row layer)
+
+Layers carry a ``ParamSpec`` on each parameter: its global shape, which dim is
+split over TP, how the single-process model initialises it, and whether its
+gradient must be summed over TP because each rank saw only part of the sequence.
+``model/init.py`` uses the spec to build exactly the single-process tensor, then
+keeps this rank's shard; checkpointing uses it to save global tensors.
+"""
+from __future__ import annotations
+
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from parallel import comm
+from parallel.comm import Group
+
+
+@dataclass
+class ParamSpec:
+    global_shape: Tuple[int, ...]
+    tp_dim: Optional[int]
+    """Dimension split across the TP group (None: replicated)."""
+    init: str = "normal"
+    """normal | ones | zeros."""
+    std: float = 0.02
+    sequence_parallel: bool = False
+    """Gradient is partial per TP rank (norms/biases in sequence-parallel regions): sum it over TP."""
+    shared_with: Optional[str] = None
+    """Global name of the parameter this one is a copy of (the tied output weight on the last pipeline
+    stage is a copy of ``embedding.weight``): initialised, checkpointed and counted as that one, its
+    gradient summed with it over the embedding group."""
+
+
+def set_spec(p: nn.Parameter, spec: ParamSpec) -> nn.Parameter:
+    p.spec = spec  # type: ignore[attr-defined]
+    return p
+
+
+def new_param(global_shape: Tuple[int, ...], tp_dim: Optional[int], tp_size: int, **spec) -> nn.Parameter:
+    shape = list(global_shape)
+    if tp_dim is not None:
+        shape[tp_dim] //= tp_size
+    return set_spec(nn.Parameter(torch.empty(shape)), ParamSpec(tuple(global_shape), tp_dim, **spec))
+
+
+# ---- conjugate communication operators -------------------------------------------------------
+
+class _CopyToTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        grad = grad.contiguous()
+        comm.all_reduce(grad, ctx.group)
+        return grad, None
+
+
+class _ReduceFromTP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        x = x.contiguous()
+        comm.all_reduce(x, group)
+        return x
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad, None
+
+
+def _gather_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous()
+    out = x.new_empty((x.shape[0] * group.size,) + tuple(x.shape[1:]))
+    comm.all_gather(out, x, group)
+    return out
+
+
+def _reduce_scatter_seq(x: torch.Tensor, group: Group) -> torch.Tensor:
+    x = x.contiguous()
+    if x.shape[0] % group.size:
+        raise ValueError(f"sequence length {x.shape[0]} is not divisible by the TP size {group.size}")
+    out = x.new_empty((x.shape[0] // group.size,) + tuple(x.shape[1:]))
+    comm.reduce_scatter(out, x, group)
+    return out
+
+
+class _GatherFromSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _gather_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _reduce_scatter_seq(grad, ctx.group), None
+
+
+class _ScatterToSP(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, group):
+        ctx.group = group
+        return _reduce_scatter_seq(x, group)
+
+    @staticmethod
+    def backward(ctx, grad):
+        return _gather_seq(grad, ctx.group), None
+
+
+def copy_to_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _CopyToTP.apply(x, group)
+
+
+def reduce_from_tp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ReduceFromTP.apply(x, group)
+
+
+def gather_from_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _GatherFromSP.apply(x, group)
+
+
+def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
+    return x if group.size == 1 else _ScatterToSP.apply(x, group)
+
+
+# ---- layers ------------------------------------------------------------------------------------
+
+class ColumnParallelLinear(nn.Module):
+    """y = x A^T with A split along its output dim: each rank computes a slice of the features.
+
+    ``fused`` > 1 stacks several matrices that share the input (QKV, SwiGLU gate/up) into one
+    GEMM: the global weight is ``(fused, out, in)`` split on dim 1, so every rank holds the same
+    slice of each (e.g. its heads' q, k and v) and the global layout is that of separate matrices.
+    Input is the full activation (gathered along the sequence first under sequence parallelism);
+    output stays split, ``[.., fused * out / tp]``, ready for a row-parallel layer.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, sequence_parallel: bool,
+                 bias: bool = False, std: float = 0.02, fused: int = 1):
+        super().__init__()
+        if out_features % tp.size:
+            raise ValueError(f"output size {out_features} is not divisible by the TP size {tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        lead = (fused,) if fused > 1 else ()
+        self.weight = new_param(lead + (out_features, in_features), len(lead), tp.size, std=std)
+        self.bias = new_param(lead + (out_features,), len(lead), tp.size, init="zeros") if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+        bias = self.bias.flatten() if self.bias is not None else None
+        return F.linear(x, self.weight.flatten(0, -2), bias)
+
+
+class RowParallelLinear(nn.Module):
+    """y = x A^T with A split along its input dim: partial sums reduced over TP.
+
+    Input is split along features (the output of a column-parallel layer); output is
+    the full activation, or this rank's sequence slice under sequence parallelism.
+    The bias is added once, after the reduction.
+    """
+
+    def __init__(self, in_features: int, out_features: int, tp: Group, *, sequence_parallel: bool,
+                 bias: bool = False, std: float = 0.02):
+        super().__init__()
+        if in_features % tp.size:
+            raise ValueError(f"input size {in_features} is not divisible by the TP size {tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.weight = new_param((out_features, in_features), 1, tp.size, std=std)
+        self.bias = (new_param((out_features,), None, tp.size, init="zeros", sequence_parallel=sequence_parallel)
+                     if bias else None)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        y = F.linear(x, self.weight)
+        y = scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
+        return y + self.bias if self.bias is not None else y
+
+
+class VocabParallelEmbedding(nn.Module):
+    """Embedding table split by vocabulary rows; ids outside this rank's rows give zeros, then reduce.
+
+    Output: ``[s, b, h]`` (or ``[s/tp, b, h]`` under sequence parallelism) from ids ``[b, s]``.
+    """
+
+    def __init__(self, vocab_size: int, dim: int, tp: Group, *, sequence_parallel: bool, std: float = 0.02):
+        super().__init__()
+        if vocab_size % tp.size:
+            raise ValueError(f"vocabulary size {vocab_size} is not divisible by the TP size {tp.size}")
+        self.tp, self.sequence_parallel = tp, sequence_parallel
+        self.rows = vocab_size // tp.size
+        self.start = tp.rank * self.rows
+        self.weight = new_param((vocab_size, dim), 0, tp.size, std=std)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        ids = ids.t()  # [s, b]
+        if self.tp.size == 1:
+            return F.embedding(ids, self.weight)
+        local = ids - self.start
+        outside = (local < 0) | (local >= self.rows)
+        out = F.embedding(local.masked_fill(outside, 0), self.weight)
+        out = out.masked_fill(outside.unsqueeze(-1), 0.0)
+        return scatter_to_sp(out, self.tp) if self.sequence_parallel else reduce_from_tp(out, self.tp)
+
+
+def scaled_init_std(std: float, n_layers: int) -> float:
+    """Megatron's init for output projections of residual branches: std / sqrt(2 * n_layers)."""
+    return std / math.sqrt(2.0 * n_layers)
