@@ -1,0 +1,90 @@
+"""Plain data parallelism: bucketed gradient all-reduce, overlapped with backward.
+
+Every parameter's ``.grad`` is a view into a flat fp32 bucket buffer, so autograd
+accumulates micro-batch gradients in place and a bucket is all-reduced as one
+tensor without copies. Buckets follow reverse parameter order (roughly the order
+backward produces gradients), ``bucket_mb`` each.
+
+Accumulation micro-steps do no communication. Before the last backward of a
+step, ``start_sync`` arms the post-accumulate-grad hooks: a bucket whose
+parameters have all received their final gradient is divided by the DP size and
+its all-reduce launched asynchronously while backward continues. Buckets launch
+strictly in index order on every rank, which collectives over one group require.
+``finish`` launches any remaining buckets and waits for all of them.
+"""
+from __future__ import annotations
+
+from typing import Dict, List, Sequence
+
+import torch
+from torch import nn
+
+from parallel import comm
+from parallel.comm import Group
+
+
+class GradBuckets:
+    def __init__(self, params: Sequence[nn.Parameter], dp: Group, bucket_mb: float, overlap: bool = True):
+        self.dp, self.overlap = dp, overlap
+        self.params = [p for p in params if p.requires_grad]
+        self.buckets: List[torch.Tensor] = []
+        self.members: List[List[nn.Parameter]] = []
+        self.bucket_of: Dict[nn.Parameter, int] = {}
+        limit = max(int(bucket_mb * 2**20 / 4), 1)
+        groups: List[List[nn.Parameter]] = [[]]
+        for p in reversed(self.params):
+            if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:
+                groups.append([])
+            groups[-1].append(p)
+        for i, members in enumerate(groups):
+            buf = torch.zeros(sum(p.numel() for p in members), dtype=torch.float32, device=members[0].device)
+            offset = 0
+            for p in members:
+                p.grad = buf[offset:offset + p.numel()].view_as(p)
+                offset += p.numel()
+                self.bucket_of[p] = i
+                if overlap:
+                    p.register_post_accumulate_grad_hook(self._on_grad_ready)
+            self.buckets.append(buf)
+            self.members.append(members)
+        self._syncing = False
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._works: List[object] = []
+
+    def zero_grad(self) -> None:
+        for buf in self.buckets:
+            buf.zero_()
+
+    def start_sync(self) -> None:
+        """Arm the hooks: the coming backward is the last of the step."""
+        self._syncing = True
+        self._ready = [0] * len(self.buckets)
+        self._next = 0
+        self._works = []
+
+    def _on_grad_ready(self, p: nn.Parameter) -> None:
+        if not self._syncing:
+            return
+        i = self.bucket_of[p]
+        self._ready[i] += 1
+        while self._next < len(self.buckets) and self._ready[self._next] == len(self.members[self._next]):
+            self._launch(self._next)
+
+    def _launch(self, i: int) -> None:
+        buf = self.buckets[i]
+        if self.dp.size > 1:
+            buf.div_(self.dp.size)
+            self._works.append(comm.all_reduce(buf, self.dp, async_op=True))
+        self._next = i + 1
+
+    def finish(self) -> None:
+        """Reduce whatever has not been launched yet and wait for every bucket: grads are now DP means."""
+        if not self._syncing:
+            self.start_sync()
+        while self._next < len(self.buckets):
+            self._launch(self._next)
+        for work in self._works:
+            work.wait()
+        self._syncing = False
+        self._works = []
