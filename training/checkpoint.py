@@ -1,0 +1,243 @@
+"""Checkpoints: layout-independent, atomic, verified.
+
+On disk, under ``checkpoint.dir``::
+
+    step_00000100/       one checkpoint (torch.distributed.checkpoint files + ours)
+        .metadata, __*_*.distcp   model and optimizer tensors under global names and shapes
+        meta.json                 step, data position, loss scaler, config, layout
+        rng_rank00000.pt ...      per-rank RNG streams (restored when the layout is unchanged)
+        manifest.json             size and sha256 of every file above; written last
+    latest                       name of the newest published checkpoint; moved last
+
+Tensors are saved as DTensors on each stage's (dp, tp) sub-mesh: TP-split
+parameters as ``Shard(dim)``, the rest replicated; so a checkpoint written at one
+(tp, pp, dp) loads at any other, optimizer state included (DCP reshards).
+
+Saving writes into a hidden temporary directory, publishes it with one rename
+once every rank has finished and the manifest is written, then moves ``latest``
+and prunes old checkpoints: a crash at any point leaves the previous checkpoints
+intact. Loading verifies the manifest (sizes and hashes, spread over the ranks);
+a corrupted checkpoint is renamed aside (``*.corrupt``) and the previous one used,
+with a warning naming the file; if none is valid the run stops with a message.
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+import os
+import re
+import shutil
+import time
+from pathlib import Path
+from typing import Any, Dict, List, Optional
+
+import torch
+import torch.distributed.checkpoint as dcp
+from torch.distributed.tensor import DTensor, Replicate, Shard
+
+from parallel import comm
+from training.config import Config, to_dict
+from training.engine import Engine
+
+FORMAT_VERSION = 1
+_STEP_DIR = re.compile(r"^step_(\d{8})$")
+_MODEL_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_size", "activation", "norm", "tie_embeddings",
+               "bias")
+
+
+class CheckpointError(RuntimeError):
+    """No usable checkpoint, or one that does not fit this model."""
+
+
+def _sha256(path: Path) -> str:
+    h = hashlib.sha256()
+    with open(path, "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def _write_json(path: Path, obj: Any) -> None:
+    tmp = path.with_name(path.name + ".tmp")
+    with open(tmp, "w") as f:
+        json.dump(obj, f, indent=1, sort_keys=True)
+        f.flush()
+        os.fsync(f.fileno())
+    os.replace(tmp, path)
+
+
+class Checkpointer:
+    def __init__(self, cfg: Config, directory: str, engine: Engine):
+        self.cfg, self.engine, self.mesh = cfg, engine, engine.mesh
+        self.dir = Path(directory)
+        self.world = self.mesh.world
+
+    # -- state ------------------------------------------------------------------------------------
+    def _placements(self, p: torch.nn.Parameter) -> list:
+        dim = p.spec.tp_dim
+        return [Replicate(), Shard(dim) if dim is not None else Replicate()]
+
+    def _tensors(self, for_load: bool, with_optimizer: bool) -> Dict[str, DTensor]:
+        """Global-name -> DTensor views of this rank's parameters (and AdamW moments)."""
+        mesh = self.mesh.stage_mesh()
+        state: Dict[str, DTensor] = {}
+        for name, p in self.engine.params.items():
+            key = p.spec.shared_with or name
+            if p.spec.shared_with is not None and not for_load:
+                continue  # a tied copy is saved once, by its original
+            place = self._placements(p)
+            state[f"model.{key}"] = DTensor.from_local(p.data, mesh, place, run_check=False)
+            if with_optimizer:
+                st = self._adam_state(p)
+                for moment in ("exp_avg", "exp_avg_sq"):
+                    state[f"optim.{key}.{moment}"] = DTensor.from_local(st[moment], mesh, place, run_check=False)
+        return state
+
+    def _adam_state(self, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
+        """AdamW's state of p, created as a fresh optimizer would if no step has been taken yet."""
+        st = self.engine.optimizer.state[p]
+        if not st:
+            fused = self.engine.optimizer.defaults.get("fused")
+            st.update(step=torch.tensor(0.0, device=p.device if fused else "cpu"),
+                      exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                      exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        return st
+
+    def _meta(self, step: int, consumed_samples: int) -> Dict[str, Any]:
+        layout = self.mesh.layout
+        return {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
+                "skipped_steps": self.engine.skipped_steps, "loss_scaler": self.engine.scaler.state_dict(),
+                "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
+                "model": {k: getattr(self.cfg.model, k) for k in _MODEL_KEYS},
+                "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                           "virtual_stages": layout.virtual_stages},
+                "time": time.time(), "torch": torch.__version__}
+
+    # -- save -------------------------------------------------------------------------------------
+    def save(self, step: int, consumed_samples: int) -> Path:
+        name = f"step_{step:08d}"
+        final, tmp = self.dir / name, self.dir / f".{name}.tmp"
+        if self.mesh.rank == 0:
+            self.dir.mkdir(parents=True, exist_ok=True)
+            for stale in self.dir.glob(".step_*.tmp"):
+                shutil.rmtree(stale, ignore_errors=True)
+            tmp.mkdir()
+        comm.barrier(self.world)
+        dcp.save(self._tensors(for_load=False, with_optimizer=True), checkpoint_id=str(tmp))
+        rng_file = tmp / f"rng_rank{self.mesh.rank:05d}.pt"
+        torch.save({"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)}, rng_file)
+        mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{self.mesh.rank}_") or p == rng_file]
+        hashes = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
+        gathered = comm.all_gather_object(hashes, self.world)
+        if self.mesh.rank == 0:
+            _write_json(tmp / "meta.json", self._meta(step, consumed_samples))
+            manifest = {k: v for h in gathered for k, v in h.items()}
+            for p in tmp.iterdir():
+                if p.name not in manifest:
+                    manifest[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+            _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "files": manifest})
+            self._publish(tmp, final)
+        comm.barrier(self.world)
+        return final
+
+    def _publish(self, tmp: Path, final: Path) -> None:
+        trash = None
+        if final.exists():  # re-saving a step (e.g. after a fall-back): swap, then drop the old one
+            trash = final.with_name(f".{final.name}.old")
+            shutil.rmtree(trash, ignore_errors=True)
+            os.rename(final, trash)
+        os.rename(tmp, final)
+        latest_tmp = self.dir / "latest.tmp"
+        latest_tmp.write_text(final.name + "\n")
+        os.replace(latest_tmp, self.dir / "latest")
+        if trash is not None:
+            shutil.rmtree(trash, ignore_errors=True)
+        complete = sorted(p for p in self.dir.iterdir() if _STEP_DIR.match(p.name))
+        for old in complete[:-self.cfg.checkpoint.keep_last]:
+            if old != final:
+                shutil.rmtree(old, ignore_errors=True)
+
+    # -- find and verify ----------------------------------------------------------------------------
+    def _verify(self, path: Path) -> Optional[str]:
+        """None if the checkpoint is complete and intact, else what is wrong (hashing spread over ranks)."""
+        problem = None
+        manifest_file = path / "manifest.json"
+        files: List[tuple] = []
+        if self.mesh.rank == 0:
+            try:
+                files = sorted(json.loads(manifest_file.read_text())["files"].items())
+            except (OSError, ValueError, KeyError) as e:
+                problem = f"{manifest_file}: unreadable manifest ({e.__class__.__name__}: {e})"
+        problem, files = comm.broadcast_object((problem, files), 0, self.world)
+        if problem is not None:
+            return problem
+        for fname, info in files[self.mesh.rank::self.world.size]:
+            f = path / fname
+            if not f.is_file():
+                problem = f"{f}: missing"
+            elif f.stat().st_size != info["size"]:
+                problem = f"{f}: size {f.stat().st_size} bytes, manifest says {info['size']} (truncated?)"
+            elif _sha256(f) != info["sha256"]:
+                problem = f"{f}: content does not match its sha256 in the manifest (corrupted)"
+            if problem:
+                break
+        problems = [p for p in comm.all_gather_object(problem, self.world) if p]
+        return problems[0] if problems else None
+
+    def find_resumable(self) -> Optional[Path]:
+        """The newest valid checkpoint in the directory; corrupted newer ones are renamed aside."""
+        names = []
+        if self.mesh.rank == 0 and self.dir.is_dir():
+            names = sorted((p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
+        names = comm.broadcast_object(names, 0, self.world)
+        rejected = []
+        for name in names:
+            problem = self._verify(self.dir / name)
+            if problem is None:
+                for bad_name, bad_problem in rejected:
+                    print(f"[checkpoint] WARNING: {bad_name} is not usable ({bad_problem}); "
+                          f"resuming from {name} instead", flush=True)
+                return self.dir / name
+            rejected.append((name, problem))
+            if self.mesh.rank == 0:
+                os.rename(self.dir / name, self.dir / f"{name}.corrupt-{int(time.time())}")
+            comm.barrier(self.world)
+        if rejected:
+            details = "; ".join(f"{n}: {p}" for n, p in rejected)
+            raise CheckpointError(f"no valid checkpoint in {self.dir} (renamed aside as *.corrupt-*): {details}. "
+                                  "Fix or remove them, or set checkpoint.resume=false to start over elsewhere.")
+        return None
+
+    # -- load -------------------------------------------------------------------------------------
+    def load(self, path: Path, with_optimizer: bool = True) -> Dict[str, Any]:
+        """Load a checkpoint into the engine (any layout); returns its meta (step, consumed_samples, ...)."""
+        problem = self._verify(path)
+        if problem is not None:
+            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}/meta.json: format {meta.get('format')} is not {FORMAT_VERSION}")
+        mismatched = {k: (meta["model"].get(k), getattr(self.cfg.model, k)) for k in _MODEL_KEYS
+                      if meta["model"].get(k) != getattr(self.cfg.model, k)}
+        if mismatched:
+            fields = ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
+            raise CheckpointError(f"checkpoint {path} was trained with a different model ({fields})")
+        dcp.load(self._tensors(for_load=True, with_optimizer=with_optimizer), checkpoint_id=str(path))
+        if with_optimizer:
+            self._restore_counters(meta, path)
+        return meta
+
+    def _restore_counters(self, meta: Dict[str, Any], path: Path) -> None:
+        engine = self.engine
+        engine.step = meta["step"]
+        engine.skipped_steps = meta["skipped_steps"]
+        engine.scaler.load_state_dict(meta["loss_scaler"])
+        optimizer_steps = engine.step - engine.skipped_steps
+        for p in engine.params.values():
+            self._adam_state(p)["step"].fill_(float(optimizer_steps))
+        layout = self.mesh.layout
+        same = meta["layout"] == {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
+                                  "dp": layout.dp, "virtual_stages": layout.virtual_stages}
+        rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
+        if same and rng_file.is_file():
+            engine.rng.load_state_dict(torch.load(rng_file, weights_only=False)["rng"])
