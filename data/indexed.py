@@ -1,0 +1,234 @@
+"""Memory-mapped token storage: a ``.bin`` / ``.idx`` file pair.
+
+``<prefix>.bin`` holds the token ids of all documents back to back, as
+``uint16`` when the vocabulary has fewer than 65536 entries and ``int32``
+otherwise.  ``<prefix>.idx`` describes the documents (all little-endian)::
+
+    magic         8 bytes   b"GPTIDX\\x00\\x00"
+    version       uint64    1
+    dtype code    uint8     1 = uint16, 2 = int32
+    padding       7 bytes   zero
+    num_docs      uint64
+    total_tokens  uint64
+    sizes         int32[num_docs]   document lengths in tokens (EOD included)
+    offsets       int64[num_docs]   token offset of each document in .bin
+
+:class:`IndexedDatasetWriter` builds a pair and only moves it under its final
+names once complete; :class:`IndexedDataset` opens a pair with ``np.memmap``
+and refuses any pair that is not self-consistent.
+"""
+
+from __future__ import annotations
+
+import array
+import os
+import struct
+import uuid
+from collections.abc import Sequence
+from types import TracebackType
+
+import numpy as np
+
+MAGIC = b"GPTIDX\x00\x00"
+VERSION = 1
+_HEADER = struct.Struct("<8sQB7xQQ")  # magic, version, dtype code, pad, num_docs, total_tokens
+_DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
+_SIZE_DTYPE = np.dtype("<i4")
+_OFFSET_DTYPE = np.dtype("<i8")
+
+
+class DataError(ValueError):
+    """Raised for unreadable, inconsistent or otherwise invalid input data."""
+
+
+def _dtype_code_for(vocab_size: int) -> int:
+    """The ``.idx`` dtype code able to hold every id of a ``vocab_size`` vocabulary."""
+    if vocab_size <= 0:
+        raise DataError(f"vocab_size must be positive, got {vocab_size}")
+    return 1 if vocab_size < 2**16 else 2
+
+
+class IndexedDatasetWriter:
+    """Streams documents into a new ``<prefix>.bin`` / ``<prefix>.idx`` pair.
+
+    Data goes to temporary files next to the destination; :meth:`finalize`
+    renames them into place, so the final names never hold a partial pair.
+    Used as a context manager, the pair is finalized on success and the
+    temporary files are removed if the block raises.
+    """
+
+    def __init__(self, prefix: str, vocab_size: int) -> None:
+        self.prefix = prefix
+        self.vocab_size = vocab_size
+        self._dtype_code = _dtype_code_for(vocab_size)
+        self._dtype = _DTYPES[self._dtype_code]
+        self._sizes = array.array("q")
+        os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
+        unique = uuid.uuid4().hex[:12]
+        self._tmp_bin = f"{prefix}.{unique}.bin.tmp"
+        self._tmp_idx = f"{prefix}.{unique}.idx.tmp"
+        self._bin = open(self._tmp_bin, "xb")
+        self._done = False
+
+    def add_document(self, ids: Sequence[int] | np.ndarray) -> None:
+        """Append one document (its ids, normally ending with the EOD id)."""
+        if self._done:
+            raise RuntimeError(f"writer for {self.prefix} is already closed")
+        tokens = np.asarray(ids, dtype=np.int64)
+        if tokens.ndim != 1:
+            raise DataError(f"{self.prefix}: a document must be 1-D, got shape {tokens.shape}")
+        if tokens.size and (tokens.min() < 0 or tokens.max() >= self.vocab_size):
+            raise DataError(
+                f"{self.prefix}: token ids must lie in [0, {self.vocab_size}), "
+                f"got range [{tokens.min()}, {tokens.max()}]"
+            )
+        if tokens.size >= 2**31:
+            raise DataError(f"{self.prefix}: document of {tokens.size} tokens is too long")
+        self._bin.write(tokens.astype(self._dtype).tobytes())
+        self._sizes.append(tokens.size)
+
+    def finalize(self) -> None:
+        """Write the index and move both files under their final names."""
+        if self._done:
+            raise RuntimeError(f"writer for {self.prefix} is already closed")
+        self._done = True
+        self._bin.close()
+        sizes = np.array(self._sizes, dtype=np.int64)
+        offsets = (np.cumsum(sizes) - sizes).astype(_OFFSET_DTYPE)
+        header = _HEADER.pack(MAGIC, VERSION, self._dtype_code, len(sizes), int(sizes.sum()))
+        try:
+            with open(self._tmp_idx, "wb") as f:
+                f.write(header + sizes.astype(_SIZE_DTYPE).tobytes() + offsets.tobytes())
+            # Drop a stale index first: a reader then sees either no pair or the new one.
+            if os.path.exists(self.prefix + ".idx"):
+                os.remove(self.prefix + ".idx")
+            os.replace(self._tmp_bin, self.prefix + ".bin")
+            os.replace(self._tmp_idx, self.prefix + ".idx")
+        finally:
+            self._remove_temporaries()
+
+    def abort(self) -> None:
+        """Discard everything written so far; the final names are left untouched."""
+        if not self._done:
+            self._done = True
+            self._bin.close()
+            self._remove_temporaries()
+
+    def _remove_temporaries(self) -> None:
+        """Delete whichever temporary files still exist."""
+        for path in (self._tmp_bin, self._tmp_idx):
+            if os.path.exists(path):
+                os.remove(path)
+
+    def __enter__(self) -> IndexedDatasetWriter:
+        return self
+
+    def __exit__(
+        self,
+        exc_type: type[BaseException] | None,
+        exc: BaseException | None,
+        tb: TracebackType | None,
+    ) -> None:
+        if exc_type is None:
+            self.finalize()
+        else:
+            self.abort()
+
+
+class IndexedDataset:
+    """Read-only, memory-mapped view of a ``<prefix>.bin`` / ``<prefix>.idx`` pair.
+
+    Every structural property of the pair is checked on open; any problem
+    raises :class:`DataError` naming the offending file.
+    """
+
+    def __init__(self, prefix: str) -> None:
+        self.prefix = prefix
+        idx_path, bin_path = prefix + ".idx", prefix + ".bin"
+        for path in (idx_path, bin_path):
+            if not os.path.isfile(path):
+                raise DataError(f"{path}: file not found")
+
+        idx_bytes = os.path.getsize(idx_path)
+        if idx_bytes < _HEADER.size:
+            raise DataError(
+                f"{idx_path}: truncated header ({idx_bytes} bytes, need {_HEADER.size})"
+            )
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
+        magic, version, code, num_docs, total_tokens = _HEADER.unpack(idx[: _HEADER.size].tobytes())
+        if magic != MAGIC:
+            raise DataError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r}")
+        if version != VERSION:
+            raise DataError(f"{idx_path}: unsupported version {version} (supported: {VERSION})")
+        if code not in _DTYPES:
+            raise DataError(f"{idx_path}: unknown dtype code {code} (known: {sorted(_DTYPES)})")
+        expected = _HEADER.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
+        if idx_bytes != expected:
+            raise DataError(
+                f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_docs} documents"
+            )
+
+        sizes_end = _HEADER.size + num_docs * _SIZE_DTYPE.itemsize
+        self.sizes: np.ndarray = idx[_HEADER.size : sizes_end].view(_SIZE_DTYPE)
+        self.offsets: np.ndarray = idx[sizes_end:].view(_OFFSET_DTYPE)
+        self.dtype: np.dtype = _DTYPES[code]
+        self.total_tokens: int = total_tokens
+        self._check_index(idx_path)
+
+        bin_bytes = os.path.getsize(bin_path)
+        if bin_bytes != total_tokens * self.dtype.itemsize:
+            raise DataError(
+                f"{bin_path}: {bin_bytes} bytes, expected {total_tokens} tokens x "
+                f"{self.dtype.itemsize} bytes = {total_tokens * self.dtype.itemsize} "
+                f"(per {idx_path}); truncated file or mismatched pair"
+            )
+        self.tokens: np.ndarray = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r")
+            if total_tokens
+            else np.empty(0, dtype=self.dtype)
+        )
+
+    def _check_index(self, idx_path: str) -> None:
+        """Check that sizes are non-negative, sum to total_tokens and match offsets."""
+        sizes = self.sizes.astype(np.int64)
+        if sizes.size and sizes.min() < 0:
+            raise DataError(f"{idx_path}: negative document size {sizes.min()}")
+        if int(sizes.sum()) != self.total_tokens:
+            raise DataError(
+                f"{idx_path}: document sizes sum to {int(sizes.sum())} tokens, "
+                f"header says total_tokens={self.total_tokens}"
+            )
+        starts = np.cumsum(sizes) - sizes
+        if not np.array_equal(self.offsets, starts):
+            bad = int(np.argmax(self.offsets != starts))
+            raise DataError(
+                f"{idx_path}: offset of document {bad} is {int(self.offsets[bad])}, "
+                f"expected {int(starts[bad])} from the sizes"
+            )
+
+    @property
+    def num_docs(self) -> int:
+        """Number of documents."""
+        return len(self.sizes)
+
+    def __len__(self) -> int:
+        return self.num_docs
+
+    def doc(self, i: int) -> np.ndarray:
+        """Tokens of document ``i`` (a read-only view into the memory map)."""
+        return self.get(i)
+
+    def get(self, i: int, offset: int = 0, length: int | None = None) -> np.ndarray:
+        """``length`` tokens of document ``i`` starting at ``offset`` (default: to its end)."""
+        if not 0 <= i < self.num_docs:
+            raise IndexError(f"{self.prefix}: document {i} out of range [0, {self.num_docs})")
+        size = int(self.sizes[i])
+        if length is None:
+            length = size - offset
+        if offset < 0 or length < 0 or offset + length > size:
+            raise IndexError(
+                f"{self.prefix}: tokens [{offset}, {offset + length}) outside document {i} "
+                f"of {size} tokens"
+            )
+        start = int(self.offsets[i]) + offset
+        return self.tokens[start : start + length]
