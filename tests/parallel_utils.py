@@ -84,13 +84,15 @@ def train_worker(overrides: List[str], steps: int):
     """Train ``steps`` steps on synthetic data; return losses and step-0 gradient shards."""
     cfg = tiny_config(*overrides)
     engine = build_engine(cfg)
-    losses, grads = [], None
+    losses, norms, grads = [], [], None
     for step in range(steps):
+        engine.mesh.ledger.reset()
         stats = engine.train_step(batch_fn(engine, step))
         losses.append(stats["loss"])
+        norms.append(stats["grad_norm"])
         if step == 0:
             grads = local_grads(engine)
-    return {"losses": losses, "grads": grads, "max_in_flight": engine.runner.max_in_flight,
+    return {"losses": losses, "grad_norms": norms, "grads": grads, "max_in_flight": engine.runner.max_in_flight,
             "comm": engine.mesh.ledger.snapshot()}
 
 

@@ -1,0 +1,61 @@
+"""Every parallel layout trains the single-process model: same losses, grad norms and gradients (fp32)."""
+import pytest
+import torch
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import assemble, train_worker
+
+STEPS = 5
+RTOL = 1e-5
+
+LAYOUTS = {
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "pp2": (2, ["parallel.pp=2"]),
+    "pp4_vp2": (4, ["parallel.pp=4", "parallel.virtual_stages=2", "model.n_layers=8"]),
+    "tp2_pp2_sp": (4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+    "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2"]),
+    "pp2_dp2": (4, ["parallel.pp=2"]),
+    "dp2_small_buckets": (2, ["parallel.bucket_mb=0.01"]),
+    "tp2_pp2_tied_gelu_bias": (4, ["parallel.tp=2", "parallel.pp=2", "model.tie_embeddings=true",
+                                   "model.activation=gelu", "model.norm=layernorm", "model.bias=true",
+                                   "parallel.sequence_parallel=true"]),
+}
+MODEL_KEYS = ("model.n_layers", "model.tie_embeddings", "model.activation", "model.norm", "model.bias")
+
+_references = {}
+
+
+def reference(overrides):
+    """Single-process run of the same model (layout keys removed), cached per model shape."""
+    model = tuple(o for o in overrides if o.startswith(MODEL_KEYS))
+    if model not in _references:
+        _references[model] = run_world(train_worker, 1, list(model), STEPS)[0]
+    return _references[model]
+
+
+@pytest.mark.parametrize("name", list(LAYOUTS))
+def test_layout_matches_single_process(name):
+    world, overrides = LAYOUTS[name]
+    ref = reference(overrides)
+    out = run_world(train_worker, world, overrides, STEPS)
+
+    for r in out:  # every rank reports the same loss, whatever its stage
+        assert r["losses"] == out[0]["losses"]
+    torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
+    torch.testing.assert_close(torch.tensor(out[0]["grad_norms"]), torch.tensor(ref["grad_norms"]),
+                               rtol=RTOL, atol=0)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05, "the reference must learn, or equal curves prove little"
+
+    grads, ref_grads = assemble([r["grads"] for r in out]), assemble([ref["grads"]])
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        scale = ref_grads[key].abs().max().clamp_min(1e-12)
+        err = (grads[key] - ref_grads[key]).abs().max() / scale
+        assert err < 1e-5, f"{key}: gradient differs from single process by {err:.2e} (relative to max)"
+
+
+def test_one_f_one_b_bounds_activations_in_flight():
+    out = run_world(train_worker, 4, ["parallel.pp=4", "train.global_batch_size=16"], 1)
+    for rank, r in enumerate(out):  # 8 micro-batches, but at most pp - rank in flight
+        assert r["max_in_flight"] == 4 - rank
