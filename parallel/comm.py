@@ -14,7 +14,7 @@ Byte convention, per rank, for a group of g ranks and a tensor of n bytes
   reduce_scatter  (g-1)/g n_in
   all_to_all      (g-1)/g n_in
   broadcast       n on the source, 0 elsewhere
-  send            n (receives are counted by their sender)
+  p2p (send)      n (receives are counted by their sender)
 
 Collectives over a group of one rank are skipped and cost nothing. FP8 tensors
 travel as uint8 views (gloo and NCCL have no float8 type).

@@ -51,6 +51,10 @@ class _VocabParallelCrossEntropy(torch.autograd.Function):
 
     @staticmethod
     def backward(ctx, grad_loss: torch.Tensor):
+        if getattr(ctx, "consumed", False):
+            raise RuntimeError("vocab-parallel cross entropy reuses its saved softmax in backward; "
+                               "a second backward through it (retain_graph=True) is not supported")
+        ctx.consumed = True
         softmax, local_t, outside = ctx.saved_tensors
         grad = softmax  # backward runs once: reuse the saved buffer instead of another logits-sized copy
         grad.scatter_add_(-1, local_t.unsqueeze(-1), -(~outside).to(grad.dtype).unsqueeze(-1))

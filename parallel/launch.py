@@ -49,25 +49,48 @@ def _int(env: Mapping[str, str], name: str) -> int:
 
 
 def parse_slurm_nodelist(nodelist: str) -> List[str]:
-    """Expand SLURM's compressed host list, e.g. ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1."""
+    """Expand SLURM's compressed host list: ``gpu[01-03,7],login1`` -> gpu01 gpu02 gpu03 gpu7 login1.
+
+    Bracket groups may be followed by a suffix or more groups (``rack[1-2]-n[1-2]``, expanded as a
+    product); anything else (unbalanced brackets, non-numeric ranges) is an error.
+    """
     hosts: List[str] = []
-    for match in re.finditer(r"([^,\[]+)(?:\[([^\]]+)\])?(?:,|$)", nodelist.strip()):
-        prefix, ranges = match.group(1), match.group(2)
-        if not prefix and not ranges:
-            continue
-        if ranges is None:
-            hosts.append(prefix)
-            continue
-        for part in ranges.split(","):
-            lo, _, hi = part.partition("-")
-            if not lo.isdigit() or (hi and not hi.isdigit()):
-                raise LaunchError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
-            width = len(lo)
-            for i in range(int(lo), int(hi or lo) + 1):
-                hosts.append(f"{prefix}{i:0{width}d}")
-    if not hosts:
+    for item in _split_top_level(nodelist.strip(), nodelist):
+        expansions = [""]
+        for piece in re.split(r"(\[[^\[\]]*\])", item):
+            values = _expand_ranges(piece[1:-1], nodelist) if piece.startswith("[") else [piece]
+            expansions = [e + v for e in expansions for v in values]
+        hosts.extend(expansions)
+    if not hosts or any(not h for h in hosts):
         raise LaunchError(f"cannot parse SLURM node list {nodelist!r}")
     return hosts
+
+
+def _split_top_level(text: str, nodelist: str) -> List[str]:
+    """Split on commas outside brackets, checking that brackets balance."""
+    items, depth, current = [], 0, ""
+    for ch in text:
+        depth += {"[": 1, "]": -1}.get(ch, 0)
+        if depth not in (0, 1):
+            raise LaunchError(f"cannot parse SLURM node list {nodelist!r} (unbalanced brackets)")
+        if ch == "," and depth == 0:
+            items.append(current)
+            current = ""
+        else:
+            current += ch
+    if depth != 0:
+        raise LaunchError(f"cannot parse SLURM node list {nodelist!r} (unbalanced brackets)")
+    return items + [current]
+
+
+def _expand_ranges(ranges: str, nodelist: str) -> List[str]:
+    out = []
+    for part in ranges.split(","):
+        lo, _, hi = part.partition("-")
+        if not lo.isdigit() or (hi and not hi.isdigit()):
+            raise LaunchError(f"cannot parse SLURM node list {nodelist!r} (range {part!r})")
+        out.extend(f"{i:0{len(lo)}d}" for i in range(int(lo), int(hi or lo) + 1))
+    return out
 
 
 def _slurm_tasks_on_first_node(value: str) -> int:
@@ -82,14 +105,14 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
     env = os.environ if env is None else env
     if "RANK" in env or "WORLD_SIZE" in env:
         rank, world = _int(env, "RANK"), _int(env, "WORLD_SIZE")
-        local_rank = int(env.get("LOCAL_RANK", rank))
-        local_world = int(env.get("LOCAL_WORLD_SIZE", world))
+        local_rank = _int(env, "LOCAL_RANK") if "LOCAL_RANK" in env else rank
+        local_world = _int(env, "LOCAL_WORLD_SIZE") if "LOCAL_WORLD_SIZE" in env else world
         addr = env.get("MASTER_ADDR")
         if addr is None:
             raise LaunchError("RANK/WORLD_SIZE are set but MASTER_ADDR is not (launch with torchrun or set it)")
         port = _int(env, "MASTER_PORT")
         launcher = "torchrun"
-    elif "SLURM_PROCID" in env and int(env.get("SLURM_NTASKS", "1")) > 1:
+    elif "SLURM_PROCID" in env and "SLURM_NTASKS" in env and _int(env, "SLURM_NTASKS") > 1:
         rank, world = _int(env, "SLURM_PROCID"), _int(env, "SLURM_NTASKS")
         local_rank = _int(env, "SLURM_LOCALID")
         per_node = env.get("SLURM_NTASKS_PER_NODE") or env.get("SLURM_TASKS_PER_NODE")
@@ -100,8 +123,8 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
         if nodelist is None:
             raise LaunchError("SLURM_JOB_NODELIST is not set")
         addr = env.get("MASTER_ADDR") or parse_slurm_nodelist(nodelist)[0]
-        job = int(env.get("SLURM_JOB_ID", "0") or 0)
-        port = int(env["MASTER_PORT"]) if "MASTER_PORT" in env else 20000 + job % 20000
+        job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job % 20000
         launcher = "slurm"
     else:
         return LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single")

@@ -127,13 +127,14 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
     if vp > 1:
         need(num_mb % pp == 0, f"the interleaved schedule needs micro-batches per step ({num_mb}) divisible by "
                                f"parallel.pp={pp}")
-    need(rpn >= 1 and world_size % rpn == 0,
+    need(rpn >= 1 and (world_size <= rpn or world_size % rpn == 0),
          f"parallel.ranks_per_node={rpn} does not divide the world size {world_size}")
-    need(rpn < 1 or rpn % tp == 0 or world_size <= rpn,
+    rpn = min(rpn, world_size)  # a job smaller than a node sits on one node
+    need(rpn < 1 or rpn % tp == 0,
          f"tensor parallelism would span nodes: parallel.tp={tp} does not divide parallel.ranks_per_node={rpn}")
     if errors:
         raise ConfigError("impossible parallel layout:\n  - " + "\n  - ".join(errors))
-    layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=min(rpn, world_size),
+    layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=rpn,
                     sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb)
     sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}
     if len(sizes) != 1:

@@ -102,11 +102,12 @@ def link_orders(schedules: List[List[Action]], pp: int, vp: int) -> Dict[Tuple[i
 def simulate(schedules: List[List[Action]], pp: int, vp: int) -> Dict[str, object]:
     """Run all ranks' action lists against each other with non-blocking sends.
 
-    Raises if the ranks deadlock; returns, per rank, the most micro-batches whose
+    An action runs once its input message has arrived (and, for a backward, once its own forward
+    has run on that rank). Raises if the ranks deadlock; returns, per rank, the most micro-batches whose
     forward ran and backward did not yet (``max_in_flight``) and the step count.
     """
     pos = [0] * pp
-    delivered = set()
+    delivered, done = set(), set()
     in_flight = [0] * pp
     peak = [0] * pp
     steps = 0
@@ -116,7 +117,9 @@ def simulate(schedules: List[List[Action]], pp: int, vp: int) -> Dict[str, objec
             if pos[r] == len(schedules[r]):
                 continue
             action = schedules[r][pos[r]]
-            if all((src, r, msg) in delivered for src, msg in needs(action, pp, vp, r)):
+            own_forward = action.kind == "F" or ("F", r, action.chunk, action.mb) in done
+            if own_forward and all((src, r, msg) in delivered for src, msg in needs(action, pp, vp, r)):
+                done.add((action.kind, r, action.chunk, action.mb))
                 for dst, msg in sends(action, pp, vp, r):
                     delivered.add((r, dst, msg))
                 in_flight[r] += 1 if action.kind == "F" else -1

@@ -320,8 +320,10 @@ def validate_config(cfg: Config) -> None:
                 "train.max_steps", "train.micro_batch_size", "train.global_batch_size",
                 "parallel.tp", "parallel.pp", "parallel.virtual_stages", "logging.interval"):
         need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
-    need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
-    need(m.head_dim % 2 == 0, f"head dim d_model/n_heads={m.d_model}/{m.n_heads} must be even for rotary embeddings")
+    if m.n_heads >= 1:
+        need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+        need(m.head_dim % 2 == 0,
+             f"head dim d_model/n_heads={m.d_model}/{m.n_heads} must be even for rotary embeddings")
     need(m.seq_len <= m.max_positions,
          f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
     need(m.ffn_size >= 1, f"model.ffn_hidden={m.ffn_hidden} must be >= 1")
@@ -335,7 +337,7 @@ def validate_config(cfg: Config) -> None:
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
     need(t.eval_interval >= 0 and t.eval_iters >= 1,
          f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
-    need(t.global_batch_size % t.micro_batch_size == 0,
+    need(t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size}")
     need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 1,
