@@ -1,0 +1,204 @@
+"""Tests for training/config.py: defaults, precedence, rejection of bad input, validation, --help text."""
+
+from __future__ import annotations
+
+import dataclasses
+from pathlib import Path
+
+import pytest
+from omegaconf import OmegaConf
+
+from training.config import Config, ConfigError, describe, load_config, validate_config
+
+
+def _leaf_keys(obj, prefix: str = "") -> list[str]:
+    """Every dotted leaf key of a plain nested dict (an independent walk, not describe())."""
+    keys = []
+    for k, v in obj.items():
+        if isinstance(v, dict):
+            keys += _leaf_keys(v, f"{prefix}{k}.")
+        else:
+            keys.append(f"{prefix}{k}")
+    return keys
+
+
+# ---- loading --------------------------------------------------------------------------------------
+
+def test_defaults_load_and_match_the_documented_values() -> None:
+    cfg = load_config()
+    assert isinstance(cfg, Config)
+    assert (cfg.model.n_layers, cfg.model.d_model, cfg.model.n_heads, cfg.model.seq_len) == (4, 128, 4, 128)
+    assert (cfg.parallel.tp, cfg.parallel.pp, cfg.parallel.virtual_stages) == (1, 1, 1)
+    assert cfg.parallel.sequence_parallel is False and cfg.parallel.ranks_per_node is None
+    assert cfg.zero.stage == 0 and cfg.precision == "fp32" and cfg.logging.wandb.mode == "offline"
+    assert (cfg.train.micro_batch_size, cfg.train.global_batch_size, cfg.train.seed) == (8, 16, 1234)
+    # derived sizes from the docstring formulas
+    assert cfg.model.head_dim == 128 // 4
+    assert cfg.model.ffn_size == 384  # swiglu: ceil(int(8*128/3) / 64) * 64 = ceil(341/64)*64
+    assert cfg.model.max_positions == cfg.model.seq_len
+    validate_config(cfg)  # the defaults are a valid experiment
+
+
+def test_ffn_size_formulas() -> None:
+    assert load_config(None, ["model.activation=gelu", "model.d_model=96"]).model.ffn_size == 384
+    assert load_config(None, ["model.d_model=96"]).model.ffn_size == 256  # int(256.0)=256 -> 256
+    assert load_config(None, ["model.d_model=100"]).model.ffn_size == 320  # int(266.67)=266 -> 320
+    assert load_config(None, ["model.ffn_hidden=77"]).model.ffn_size == 77
+
+
+def test_yaml_overrides_defaults_and_dotlist_overrides_yaml(tmp_path: Path) -> None:
+    path = tmp_path / "exp.yaml"
+    path.write_text("model:\n  d_model: 256\n  n_layers: 6\ntrain:\n  lr: 0.5\nprecision: bf16\n")
+    cfg = load_config(str(path), ["model.d_model=64", "train.seed=7"])
+    assert cfg.model.d_model == 64          # dotlist beats YAML
+    assert cfg.model.n_layers == 6          # YAML beats default
+    assert cfg.train.lr == 0.5
+    assert cfg.precision == "bf16"
+    assert cfg.train.seed == 7              # dotlist beats default
+    assert cfg.model.n_heads == 4           # untouched default
+    only_yaml = load_config(str(path))
+    assert (only_yaml.model.d_model, only_yaml.model.n_layers) == (256, 6)
+
+
+def test_dotlist_values_are_typed() -> None:
+    cfg = load_config(None, ["train.lr=1e-3", "parallel.sequence_parallel=true", "model.max_seq_len=256",
+                             "data.paths=[a,b]", "data.weights=[0.25,0.75]"])
+    assert cfg.train.lr == pytest.approx(1e-3) and isinstance(cfg.train.lr, float)
+    assert cfg.parallel.sequence_parallel is True
+    assert cfg.model.max_seq_len == 256 and cfg.model.max_positions == 256
+    assert cfg.data.paths == ["a", "b"] and cfg.data.weights == [0.25, 0.75]
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.foo=1", "model.foo"),
+    ("nonsense=3", "nonsense"),
+    ("logging.wandb.colour=red", "colour"),
+])
+def test_unknown_key_is_rejected_naming_it(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.n_layers=abc", "model.n_layers"),
+    ("parallel.sequence_parallel=maybe", "parallel.sequence_parallel"),
+    ("train.lr=fast", "train.lr"),
+])
+def test_wrong_type_is_rejected_naming_the_key(override: str, key: str) -> None:
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        load_config(None, [override])
+
+
+def test_override_without_equals_is_rejected_naming_it() -> None:
+    with pytest.raises(ConfigError, match=r"train\.max_steps"):
+        load_config(None, ["model.d_model=64", "train.max_steps"])
+
+
+def test_bad_yaml_is_rejected_naming_the_file_and_key(tmp_path: Path) -> None:
+    path = tmp_path / "bad.yaml"
+    path.write_text("model:\n  n_heads: many\n")
+    with pytest.raises(ConfigError) as e:
+        load_config(str(path))
+    assert "model.n_heads" in str(e.value) and "bad.yaml" in str(e.value)
+    path.write_text("model:\n  n_head: 4\n")
+    with pytest.raises(ConfigError, match="n_head"):
+        load_config(str(path))
+    with pytest.raises(ConfigError, match="missing.yaml"):
+        load_config(str(tmp_path / "missing.yaml"))
+
+
+# ---- validation ----------------------------------------------------------------------------------
+
+def _invalid(*overrides: str) -> str:
+    cfg = load_config(None, list(overrides))
+    with pytest.raises(ConfigError) as e:
+        validate_config(cfg)
+    return str(e.value)
+
+
+def test_heads_must_divide_d_model() -> None:
+    msg = _invalid("model.d_model=100", "model.n_heads=3")
+    assert "model.d_model=100" in msg and "model.n_heads=3" in msg
+
+
+def test_global_batch_must_be_a_multiple_of_micro_batch() -> None:
+    msg = _invalid("train.global_batch_size=10", "train.micro_batch_size=4")
+    assert "train.global_batch_size=10" in msg and "train.micro_batch_size=4" in msg
+
+
+def test_seq_len_above_max_seq_len() -> None:
+    msg = _invalid("model.seq_len=256", "model.max_seq_len=128")
+    assert "model.seq_len=256" in msg and "128" in msg and "max_seq_len" in msg
+
+
+@pytest.mark.parametrize("key, value", [
+    ("model.activation", "relu"), ("model.norm", "batchnorm"), ("model.activation_checkpointing", "some"),
+    ("precision", "fp64"), ("device", "tpu"), ("logging.wandb.mode", "loud"),
+])
+def test_bad_choice_strings(key: str, value: str) -> None:
+    msg = _invalid(f"{key}={value}")
+    assert key in msg and value in msg
+
+
+def test_every_error_is_reported_at_once() -> None:
+    msg = _invalid("model.norm=batchnorm", "model.activation=relu", "train.global_batch_size=10",
+                   "train.micro_batch_size=4")
+    assert "batchnorm" in msg and "relu" in msg and "global_batch_size=10" in msg
+
+
+@pytest.mark.parametrize("override, words", [
+    ("zero.stage=1", ["zero.stage=1", "not implemented"]),
+    ("zero.stage=3", ["zero.stage=3", "not implemented"]),
+    ("zero.quantized_weights=true", ["zero.quantized_weights=True", "not implemented"]),
+    ("zero.hpz_size=2", ["zero.hpz_size=2", "not implemented"]),
+    ("precision=fp8", ["precision=fp8", "not implemented"]),
+])
+def test_unimplemented_features_say_so(override: str, words: list) -> None:
+    msg = _invalid(override)
+    for w in words:
+        assert w in msg
+
+
+@pytest.mark.parametrize("override, key", [
+    ("model.dropout=1.0", "model.dropout"), ("model.attention_dropout=-0.1", "model.attention_dropout"),
+    ("train.lr=0", "train.lr"), ("parallel.tp=0", "parallel.tp"), ("model.n_layers=0", "model.n_layers"),
+    ("data.weights=[1.0,2.0]", "data.weights"),
+])
+def test_ranges_are_checked(override: str, key: str) -> None:
+    assert key in _invalid(override)
+
+
+@pytest.mark.parametrize("override, key", [("model.n_heads=0", "model.n_heads"),
+                                           ("train.micro_batch_size=0", "train.micro_batch_size")])
+def test_zero_divisors_give_a_config_error(override: str, key: str) -> None:
+    cfg = load_config(None, [override])
+    with pytest.raises(ConfigError, match=key.replace(".", r"\.")):
+        validate_config(cfg)
+
+
+# ---- --help ----------------------------------------------------------------------------------------
+
+def test_describe_lists_every_leaf_key_with_its_docstring() -> None:
+    lines = describe()
+    expected = _leaf_keys(OmegaConf.to_container(OmegaConf.structured(Config)))
+    assert len(expected) > 50
+    keyed = {}
+    for line in lines:
+        key = line.strip().split(" ", 1)[0]
+        keyed[key] = line
+    assert sorted(keyed) == sorted(expected)
+    assert len(lines) == len(expected)
+    for key, line in keyed.items():
+        doc = line.split("): ", 1)[1] if "): " in line else ""
+        assert doc.strip(), f"{key} has no docstring in describe(): {line!r}"
+    # spot checks against the docstrings written in the source
+    assert keyed["model.d_model"].endswith("Hidden size.")
+    assert "default 128" in keyed["model.d_model"]
+    assert keyed["parallel.pp"].endswith("Pipeline-parallel size (outermost).")
+    assert keyed["logging.wandb.mode"].endswith("online | offline | disabled.")
+    assert keyed["precision"].startswith("  precision (str, default 'fp32'): fp32 | bf16")
+
+
+def test_config_is_a_plain_dataclass_tree() -> None:
+    cfg = load_config(None, ["model.d_model=64"])
+    assert dataclasses.asdict(cfg)["model"]["d_model"] == 64
