@@ -184,8 +184,9 @@ class Checkpointer:
         problems = [p for p in comm.all_gather_object(problem, self.world) if p]
         return problems[0] if problems else None
 
-    def find_resumable(self) -> Optional[Path]:
-        """The newest valid checkpoint in the directory; corrupted newer ones are renamed aside."""
+    def find_resumable(self, quarantine: bool = True) -> Optional[Path]:
+        """The newest valid checkpoint in the directory; corrupted newer ones are renamed aside
+        (``quarantine``, so that a resumed run cannot later prune the good ones) or just skipped."""
         names = []
         if self.mesh.rank == 0 and self.dir.is_dir():
             names = sorted((p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
@@ -199,12 +200,13 @@ class Checkpointer:
                           f"resuming from {name} instead", flush=True)
                 return self.dir / name
             rejected.append((name, problem))
-            if self.mesh.rank == 0:
+            if quarantine and self.mesh.rank == 0:
                 os.rename(self.dir / name, self.dir / f"{name}.corrupt-{int(time.time())}")
             comm.barrier(self.world)
         if rejected:
             details = "; ".join(f"{n}: {p}" for n, p in rejected)
-            raise CheckpointError(f"no valid checkpoint in {self.dir} (renamed aside as *.corrupt-*): {details}. "
+            aside = " (renamed aside as *.corrupt-*)" if quarantine else ""
+            raise CheckpointError(f"no valid checkpoint in {self.dir}{aside}: {details}. "
                                   "Fix or remove them, or set checkpoint.resume=false to start over elsewhere.")
         return None
 
