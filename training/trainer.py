@@ -136,7 +136,7 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
                         "mfu": tflops / peak if peak else None, "peak_mem_bytes": peak_memory_bytes(device),
                         "comm": mesh.ledger.snapshot(), "step_time_s": window_time / window_steps,
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
-                        "consumed_samples": consumed})
+                        "consumed_samples": consumed, "time": time.time()})
             window_time, window_steps = 0.0, 0
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})

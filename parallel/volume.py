@@ -1,0 +1,108 @@
+"""Analytic communication volume of one training step, per rank and per group.
+
+The same byte convention as ``parallel/comm.py`` (what a rank puts on the wire
+with ring / direct algorithms). With ``a = s * b * h * e`` the bytes of one full
+activation (sequence s, micro-batch b, hidden h, e bytes per element in the
+compute dtype) and t the TP size, per transformer layer and micro-batch:
+
+  TP           4 all-reduces (2 fwd: after attention and MLP; 2 bwd: into QKV and MLP)
+               = 4 * 2 (t-1)/t * a
+  TP + SP      2 all-gathers + 2 reduce-scatters forward, the conjugates backward
+               = 8 * (t-1)/t * a      (the same bytes, half the activation memory)
+  full recompute repeats the forward's collectives up to the last one whose output
+  backward needs (torch's checkpoint stops early): +1 all-reduce (TP), +1.5 pairs (SP).
+
+plus, per micro-batch, the embedding (one reduction forward, or its SP pair), the
+output layer's input (one backward reduction, or its SP pair) and three fp32
+all-reduces of ``s * b`` values in vocab-parallel cross entropy; per step, the
+sum of sequence-parallel norm/bias gradients over TP.
+
+PP: every forward that feeds a later virtual stage sends ``a / t`` (SP) or ``a``
+bytes; every backward that feeds an earlier one sends the same. DP: the gradient
+buckets, ``2 (d-1)/d * 4 * parameters``. Tied embeddings add one all-reduce of
+the embedding shard over first+last stage. Tiny control reductions (loss, norm)
+are in ``world`` and ``mp``.
+"""
+from __future__ import annotations
+
+from collections import defaultdict
+from typing import Dict
+
+from model.flops import parameter_count
+from parallel.layout import Layout
+from parallel.schedule import sends, train_schedule
+from training.config import Config
+
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+
+
+def _ring(n: int) -> float:
+    """Per-rank share of an all-reduce over n ranks, as a multiple of the tensor's bytes."""
+    return 2 * (n - 1) / n if n > 1 else 0.0
+
+
+def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
+    """Bytes this rank sends in one training step, by group name."""
+    m, t = cfg.model, layout.tp
+    e = DTYPE_BYTES[cfg.precision]
+    s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model
+    a = s * b * h * e
+    mb = layout.num_microbatches
+    pp_rank, _, _ = layout.coords(rank)
+    vp, pp = layout.virtual_stages, layout.pp
+    last_v = pp * vp - 1
+    stages = [c * pp + pp_rank for c in range(vp)]
+    layers = len(stages) * m.n_layers // (pp * vp)
+    sp = layout.sequence_parallel
+    out: Dict[str, float] = defaultdict(float)
+
+    if t > 1:
+        pair = 2 * (t - 1) / t * a  # one all-reduce, or one all-gather + one reduce-scatter (SP)
+        per_layer = 4 * pair
+        if m.activation_checkpointing == "full":
+            # recomputation repeats the forward's collectives up to the last tensor backward needs (torch's
+            # checkpoint stops early): the attention reduction, not the MLP's; under SP also the MLP's gather
+            per_layer += 1.5 * pair if sp else pair
+        per_mb = layers * per_layer
+        if 0 in stages:
+            per_mb += pair  # embedding
+        if last_v in stages:
+            per_mb += pair + 3 * _ring(t) * s * b * 4  # output layer input, cross entropy
+        out["tp"] += mb * per_mb
+        if sp:
+            norm = h * (2 if m.norm == "layernorm" else 1)
+            elems = layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)
+            out["tp"] += _ring(t) * 4 * elems
+
+    act = a // t if sp else a
+    for action in train_schedule(pp, vp, mb, pp_rank):
+        out["pp"] += act * len(sends(action, pp, vp, pp_rank))
+
+    local_params = _local_parameters(cfg, layout, stages)
+    out["dp"] += _ring(layout.dp) * 4 * local_params
+    if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
+        out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
+    out["mp"] += _ring(pp * t) * 4
+    out["world"] += _ring(layout.world_size) * 4
+    return dict(out)
+
+
+def _local_parameters(cfg: Config, layout: Layout, stages) -> float:
+    """Parameter elements held by a rank of these virtual stages (TP-split ones divided by t)."""
+    m, t = cfg.model, layout.tp
+    counts = parameter_count(m)
+    h, v = m.d_model, m.vocab_size
+    norm = h * (2 if m.norm == "layernorm" else 1)
+    per_layer_total = (counts["non_embedding"] - norm) / m.n_layers
+    replicated_per_layer = 2 * norm + (2 * h if m.bias else 0)  # norms and row-parallel biases
+    per_layer = (per_layer_total - replicated_per_layer) / t + replicated_per_layer
+    layers = len(stages) * m.n_layers // (layout.pp * layout.virtual_stages)
+    total = layers * per_layer
+    last_v = layout.pp * layout.virtual_stages - 1
+    if 0 in stages:
+        total += v * h / t
+    if last_v in stages:
+        total += norm
+        if not m.tie_embeddings or 0 not in stages:
+            total += v * h / t
+    return total

@@ -1,0 +1,80 @@
+"""Per-layout step time and bytes per step, counted by the ledger and predicted analytically (CPU, gloo).
+
+    python scripts/bench_layouts.py [--steps 4] [--ranks-per-node 2]
+
+Each layout trains the same model for a few steps on local processes (simulated
+nodes of --ranks-per-node ranks). The table shows the median step time and, summed
+over all ranks, the bytes of one step by group (counted / analytic) and by link.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from parallel.layout import make_layout  # noqa: E402
+from parallel.volume import step_bytes  # noqa: E402
+from tests.dist_harness import run_world  # noqa: E402
+from tests.parallel_utils import batch_fn, build_engine, tiny_config  # noqa: E402
+
+MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=256", "model.vocab_size=4096",
+         "model.ffn_hidden=1024", "train.micro_batch_size=2", "train.global_batch_size=16"]
+LAYOUTS = [
+    ("single", 1, []),
+    ("dp2", 2, []),
+    ("tp2", 2, ["parallel.tp=2"]),
+    ("tp2 sp", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    ("pp2", 2, ["parallel.pp=2"]),
+    ("pp4 vp2", 4, ["parallel.pp=4", "parallel.virtual_stages=2"]),
+    ("tp2 pp2 sp", 4, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true"]),
+    ("tp2 dp2", 4, ["parallel.tp=2"]),
+    ("tp2 pp2 dp2", 8, ["parallel.tp=2", "parallel.pp=2"]),
+]
+
+
+def worker(overrides, steps):
+    engine = build_engine(tiny_config(*overrides))
+    times = []
+    for step in range(steps):
+        engine.mesh.ledger.reset()
+        t0 = time.perf_counter()
+        engine.train_step(batch_fn(engine, step))
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "comm": engine.mesh.ledger.snapshot()}
+
+
+def mib(n: float) -> str:
+    return f"{n / 2**20:8.2f}"
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__)
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    args = ap.parse_args()
+    groups = ["tp", "pp", "dp", "embedding"]
+    print(f"model: {' '.join(MODEL)}  fp32, CPU/gloo, ranks_per_node={args.ranks_per_node}")
+    head = f"{'layout':<12} {'ranks':>5} {'step s':>7} | " + " | ".join(f"{g + ' MiB cnt/ana':>19}" for g in groups)
+    print(head + f" | {'intra MiB':>9} {'inter MiB':>9} | agree")
+    print("-" * len(head) + "-" * 30)
+    for name, world, layout_overrides in LAYOUTS:
+        overrides = MODEL + layout_overrides + [f"parallel.ranks_per_node={min(args.ranks_per_node, world)}"]
+        out = run_world(worker, world, overrides, args.steps, timeout=900)
+        step_time = statistics.median(max(r["times"][i] for r in out) for i in range(1, args.steps))
+        cfg = tiny_config(*overrides)
+        layout = make_layout(cfg, world, min(args.ranks_per_node, world))
+        counted = {g: sum(r["comm"]["by_group"].get(g, 0) for r in out) for g in groups}
+        analytic = {g: sum(step_bytes(cfg, layout, r).get(g, 0) for r in range(world)) for g in groups}
+        links = {k: sum(r["comm"]["by_link"][k] for r in out) for k in ("intra", "inter")}
+        agree = all(abs(counted[g] - analytic[g]) <= 16 * world for g in groups)
+        cells = " | ".join(f"{mib(counted[g])}/{mib(analytic[g])}" for g in groups)
+        print(f"{name:<12} {world:>5} {step_time:7.3f} | {cells} | {mib(links['intra']):>9} {mib(links['inter']):>9}"
+              f" | {'yes' if agree else 'NO'}", flush=True)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,157 @@
+"""train.py end to end, in subprocesses, on the bundled sample corpus (CPU, fp32)."""
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parent.parent
+FAST = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "model.seq_len=64", "train.micro_batch_size=4",
+        "train.global_batch_size=8", "logging.interval=1", "train.eval_interval=0", "logging.wandb.mode=disabled",
+        "train.warmup_steps=2"]
+
+
+def train_cmd(*args, launcher=(sys.executable,)):
+    return [*launcher, str(ROOT / "train.py"), *args]
+
+
+def run_train(*args, timeout=300, env=None, launcher=(sys.executable,)):
+    full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
+    return subprocess.run(train_cmd(*args, launcher=launcher), cwd=ROOT, capture_output=True, text=True,
+                          timeout=timeout, env=full_env)
+
+
+def records(run_dir):
+    path = Path(run_dir) / "metrics.jsonl"
+    return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+
+def losses_by_step(run_dir):
+    """Last logged loss of each step, and every step that was logged twice (re-run after a resume)."""
+    out, repeats = {}, {}
+    for r in records(run_dir):
+        if "loss" in r:
+            if r["step"] in out:
+                repeats.setdefault(r["step"], [out[r["step"]]]).append(r["loss"])
+            out[r["step"]] = r["loss"]
+    return out, repeats
+
+
+def assert_same_curve(got, ref, rtol):
+    assert sorted(got) == sorted(ref), f"logged steps differ: {sorted(got)} vs {sorted(ref)}"
+    for step in ref:
+        assert abs(got[step] - ref[step]) <= rtol * abs(ref[step]), f"step {step}: {got[step]} vs {ref[step]}"
+
+
+def test_default_job_learns_and_writes_metrics_wandb_and_checkpoint(tmp_path):
+    run_dir = tmp_path / "run"
+    p = run_train(f"logging.run_dir={run_dir}", "train.max_steps=60", "logging.interval=10",
+                  "train.eval_interval=30", "logging.wandb.mode=offline", env={"WANDB_SILENT": "true"})
+    assert p.returncode == 0, p.stderr[-3000:]
+    recs = records(run_dir)
+    train = [r for r in recs if "loss" in r]
+    for key in ("step", "loss", "lr", "grad_norm", "tokens_per_s", "tflops_per_device", "mfu", "peak_mem_bytes",
+                "comm"):
+        assert all(key in r for r in train), key
+    assert train[-1]["loss"] < train[0]["loss"] - 1.0, [r["loss"] for r in train]
+    assert train[0]["tokens_per_s"] > 0 and train[0]["peak_mem_bytes"] > 0
+    val = [r for r in recs if "val_loss" in r]
+    assert [r["step"] for r in val] == [30, 60] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000060"
+    assert list((run_dir / "wandb").glob("offline-run-*")), "no wandb offline run under the run dir"
+    assert "step     60" in p.stdout and "validation loss" in p.stdout
+
+
+def _wait_for_step(run_dir, step, proc, timeout=120):
+    deadline = time.time() + timeout
+    while time.time() < deadline:
+        if any(r.get("step", 0) >= step for r in records(run_dir)):
+            return
+        assert proc.poll() is None, proc.communicate()[1][-3000:]
+        time.sleep(0.05)
+    raise TimeoutError(f"step {step} not reached")
+
+
+@pytest.mark.parametrize("how", ["sigterm", "crash"])
+def test_interrupted_run_resumes_with_identical_losses(tmp_path, how):
+    steps = 12
+    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
+    common = FAST + [f"train.max_steps={steps}", "checkpoint.interval=4"]
+    assert run_train(*common, f"logging.run_dir={ref_dir}").returncode == 0
+    ref, _ = losses_by_step(ref_dir)
+
+    proc = subprocess.Popen(train_cmd(*common, f"logging.run_dir={run_dir}"), cwd=ROOT, stdout=subprocess.PIPE,
+                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
+    _wait_for_step(run_dir, 6, proc)
+    proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+    out, err = proc.communicate(timeout=120)
+    if how == "sigterm":
+        assert proc.returncode == 0, err[-3000:]
+        assert "(signal)" in out
+    stopped_at = max(losses_by_step(run_dir)[0])
+    assert stopped_at < steps, "the run finished before the interruption; make it longer"
+
+    p = run_train(*common, f"logging.run_dir={run_dir}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "resumed from" in p.stdout
+    got, repeats = losses_by_step(run_dir)
+    assert_same_curve(got, ref, rtol=1e-6)
+    for step, values in repeats.items():  # steps run twice (after a crash) saw the same data and weights
+        assert max(values) - min(values) <= 1e-6 * abs(values[0]), (step, values)
+    if how == "crash":
+        assert repeats, "a crash after the last checkpoint should re-run some steps"
+
+
+def _free_port():
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
+def test_two_data_parallel_processes_match_one(tmp_path, launcher):
+    steps = 6
+    common = FAST + [f"train.max_steps={steps}", "checkpoint.interval=0"]
+    ref_dir, dp_dir = tmp_path / "ref", tmp_path / "dp"
+    assert run_train(*common, f"logging.run_dir={ref_dir}").returncode == 0
+    args = (*common, f"logging.run_dir={dp_dir}")
+    if launcher == "torchrun":
+        p = run_train(*args, launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone",
+                                       "--nproc-per-node", "2"))
+        assert p.returncode == 0, p.stderr[-3000:]
+    else:
+        port = _free_port()
+        procs = [subprocess.Popen(train_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
+                                  text=True, env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
+                                                  "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
+                                                  "SLURM_LOCALID": str(r), "SLURM_TASKS_PER_NODE": "2",
+                                                  "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)})
+                 for r in range(2)]
+        for proc in procs:
+            out, err = proc.communicate(timeout=300)
+            assert proc.returncode == 0, err[-3000:]
+    ref, _ = losses_by_step(ref_dir)
+    got, _ = losses_by_step(dp_dir)
+    assert_same_curve(got, ref, rtol=1e-5)
+    # the ledger counts the bucketed gradient all-reduce: 2 (g-1)/g x 4 bytes x parameters, g = 2
+    from model.flops import parameter_count
+    from training.config import load_config
+
+    n_params = parameter_count(load_config(None, common).model)["total"]
+    rec = [r for r in records(dp_dir) if "loss" in r][-1]
+    assert rec["comm"]["by_group"]["dp"] == 4 * n_params
+    assert rec["comm"]["by_kind_link"]["all_reduce/intra"] >= 4 * n_params
+
+
+def test_time_limit_stops_and_saves(tmp_path):
+    run_dir = tmp_path / "run"
+    p = run_train(*FAST, "train.max_steps=1000", "train.time_limit_minutes=0.0001", f"logging.run_dir={run_dir}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "(time_limit)" in p.stdout
+    latest = (run_dir / "checkpoints" / "latest").read_text().strip()
+    assert latest == "step_00000001"
