@@ -14,9 +14,10 @@ from training.config import Config, LossScaleConfig, TrainConfig
 
 def build_optimizer(named_params: Sequence[Tuple[str, nn.Parameter]], t: TrainConfig,
                     device: torch.device) -> torch.optim.AdamW:
-    """AdamW; no weight decay on norms and biases (every parameter of fewer than two dimensions)."""
-    decay = [p for _, p in named_params if p.ndim >= 2]
-    no_decay = [p for _, p in named_params if p.ndim < 2]
+    """AdamW; no weight decay on norms (1-D) and biases (by name: fused biases are 2-D)."""
+    exempt = [n.endswith("bias") or p.ndim < 2 for n, p in named_params]
+    decay = [p for (_, p), ex in zip(named_params, exempt) if not ex]
+    no_decay = [p for (_, p), ex in zip(named_params, exempt) if ex]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]
     return torch.optim.AdamW([g for g in groups if g["params"]], lr=t.lr, betas=(t.beta1, t.beta2), eps=t.eps,
                              fused=device.type == "cuda", foreach=None if device.type == "cuda" else True)
