@@ -61,8 +61,9 @@ class PipelineRunner:
                 st.release_sent()
                 if action.kind == "F":
                     self._forward(action, st, batch, compute, dtype, forward_only)
-                    in_flight += 1
-                    self.max_in_flight = max(self.max_in_flight, in_flight)
+                    if not forward_only:  # forward-only runs keep no activations
+                        in_flight += 1
+                        self.max_in_flight = max(self.max_in_flight, in_flight)
                 else:
                     if before_last_backward is not None and last_backward[action.chunk] == i:
                         before_last_backward(action.chunk)

@@ -92,8 +92,10 @@ def train_worker(overrides: List[str], steps: int):
         norms.append(stats["grad_norm"])
         if step == 0:
             grads = local_grads(engine)
+    comm = engine.mesh.ledger.snapshot()
+    val_loss = engine.eval_loss(batch_fn(engine, 1000))  # forward-only schedule on held-out samples
     return {"losses": losses, "grad_norms": norms, "grads": grads, "max_in_flight": engine.runner.max_in_flight,
-            "comm": engine.mesh.ledger.snapshot()}
+            "comm": comm, "val_loss": val_loss}
 
 
 def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_dir: str):

@@ -41,7 +41,8 @@ def test_layout_matches_single_process(name):
     out = run_world(train_worker, world, overrides, STEPS)
 
     for r in out:  # every rank reports the same loss, whatever its stage
-        assert r["losses"] == out[0]["losses"]
+        assert r["losses"] == out[0]["losses"] and r["val_loss"] == out[0]["val_loss"]
+    assert abs(out[0]["val_loss"] - ref["val_loss"]) <= RTOL * ref["val_loss"]
     torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(out[0]["grad_norms"]), torch.tensor(ref["grad_norms"]),
                                rtol=RTOL, atol=0)
@@ -53,6 +54,17 @@ def test_layout_matches_single_process(name):
         scale = ref_grads[key].abs().max().clamp_min(1e-12)
         err = (grads[key] - ref_grads[key]).abs().max() / scale
         assert err < 1e-5, f"{key}: gradient differs from single process by {err:.2e} (relative to max)"
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp16"])
+def test_half_precision_activations_cross_stages(precision):
+    """Stage outputs travel in the compute dtype; pipelining must not change the numbers."""
+    overrides = [f"precision={precision}", "loss_scale.initial=1024"]
+    ref = run_world(train_worker, 1, overrides, 3)[0]
+    out = run_world(train_worker, 4, overrides + ["parallel.pp=4", "parallel.virtual_stages=1"], 3)
+    torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=1e-3, atol=0)
+    assert abs(out[0]["val_loss"] - ref["val_loss"]) <= 1e-3 * ref["val_loss"]
+    assert out[1]["comm"]["by_group"]["pp"] == 2 * 4 * 32 * 2 * 64 * 2  # 4 mb x (fwd + bwd) x s*b*h x 2 bytes
 
 
 def test_one_f_one_b_bounds_activations_in_flight():

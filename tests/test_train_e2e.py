@@ -113,6 +113,28 @@ def _free_port():
         return s.getsockname()[1]
 
 
+def slurm_env(rank, world, port):
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_RANK")}
+    return {**env, "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(rank), "SLURM_NTASKS": str(world),
+            "SLURM_LOCALID": str(rank), "SLURM_TASKS_PER_NODE": str(world), "SLURM_JOB_NODELIST": "localhost",
+            "MASTER_PORT": str(port)}
+
+
+def test_a_dying_rank_ends_the_job(tmp_path):
+    """No launcher agent to clean up (srun-style): the survivor must fail by itself, promptly."""
+    run_dir, port = tmp_path / "run", _free_port()
+    procs = [subprocess.Popen(train_cmd(*FAST, "train.max_steps=100000", f"logging.run_dir={run_dir}"), cwd=ROOT,
+                              stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=slurm_env(r, 2, port))
+             for r in range(2)]
+    _wait_for_step(run_dir, 3, procs[0])
+    procs[1].kill()
+    t0 = time.time()
+    _, err = procs[0].communicate(timeout=120)
+    assert procs[0].returncode not in (0, None)
+    assert time.time() - t0 < 60
+    assert "Connection closed by peer" in err or "remote worker" in err, err[-2000:]
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
 def test_two_data_parallel_processes_match_one(tmp_path, launcher):
     steps = 6
@@ -127,11 +149,7 @@ def test_two_data_parallel_processes_match_one(tmp_path, launcher):
     else:
         port = _free_port()
         procs = [subprocess.Popen(train_cmd(*args), cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                                  text=True, env={**{k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE")},
-                                                  "OMP_NUM_THREADS": "1", "SLURM_PROCID": str(r), "SLURM_NTASKS": "2",
-                                                  "SLURM_LOCALID": str(r), "SLURM_TASKS_PER_NODE": "2",
-                                                  "SLURM_JOB_NODELIST": "localhost", "MASTER_PORT": str(port)})
-                 for r in range(2)]
+                                  text=True, env=slurm_env(r, 2, port)) for r in range(2)]
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-3000:]
@@ -155,3 +173,12 @@ def test_time_limit_stops_and_saves(tmp_path):
     assert "(time_limit)" in p.stdout
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
     assert latest == "step_00000001"
+
+
+def test_fp16_overflow_is_logged_and_training_continues(tmp_path):
+    run_dir = tmp_path / "run"
+    p = run_train(*FAST, "precision=fp16", "loss_scale.initial=1e12", "train.max_steps=30", f"logging.run_dir={run_dir}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    assert "step 1: non-finite gradients" in p.stdout and "step skipped; loss scale 1e+12 -> 5e+11" in p.stdout
+    last = [r for r in records(run_dir) if "loss" in r][-1]
+    assert 0 < last["skipped_steps"] < 30 and last["loss_scale"] < 1e12

@@ -128,6 +128,9 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
         window_steps += 1
         consumed += g
         step = engine.step
+        if stats["skipped"] and main:
+            print(f"[train] step {step}: non-finite gradients (norm {stats['grad_norm']}), step skipped; "
+                  f"loss scale {stats['loss_scale']:g} -> {engine.scaler.scale:g}", flush=True)
         if step % cfg.logging.interval == 0 or step == t.max_steps:
             tps = window_steps * tokens_per_step / window_time
             tflops = tps * flops_token / layout.world_size / 1e12
