@@ -31,6 +31,7 @@ class PipelineRunner:
         self.pp, self.vp, self.rank = mesh.layout.pp, mesh.layout.virtual_stages, mesh.pp_rank
         self.activation_shape = activation_shape
         self.max_in_flight = 0
+        self.released_bytes = 0  # storage freed after sending (activations and input gradients)
         self._plans: Dict[Tuple[int, bool], tuple] = {}
 
     def _plan(self, num_mb: int, forward_only: bool):
@@ -70,6 +71,7 @@ class PipelineRunner:
                     self._backward(action, st, grad_scale, dtype)
                     in_flight -= 1
         st.finish_sends()
+        self.released_bytes += st.released_bytes
         return st.losses
 
     # -- one forward / one backward -----------------------------------------------------------
@@ -112,16 +114,18 @@ class _StepState:
     def __init__(self, orders: Dict[Tuple[int, int], List[Message]], rank: int):
         self.rank = rank
         self.incoming = {src: msgs for (src, dst), msgs in orders.items() if dst == rank}
-        self.outgoing = {dst: msgs for (src, dst), msgs in orders.items() if src == rank}
+        # a message's tag is its position on its link, the same number at both ends
+        self.tags = {dst: {m: i for i, m in enumerate(msgs)} for (src, dst), msgs in orders.items() if src == rank}
         self.posted: Dict[Message, Tuple[object, torch.Tensor]] = {}
         self.next_post = {src: 0 for src in self.incoming}
         self.pending: List[Tuple[object, torch.Tensor]] = []
         self.saved: Dict[Tuple[int, int], Tuple[torch.Tensor, torch.Tensor]] = {}
         self.losses: List[torch.Tensor] = []
+        self.released_bytes = 0
 
     def send(self, t: torch.Tensor, dst: int, msg: Message, mesh: Mesh) -> None:
         """Non-blocking send; ``t`` shares storage with the stage output (or input grad) it came from."""
-        tag = self.outgoing[dst].index(msg)
+        tag = self.tags[dst][msg]
         self.pending.append((comm.isend(t.contiguous(), dst, mesh.pp, tag=tag), t))
 
     def receive(self, src: int, msg: Message, mesh: Mesh, shape, dtype) -> torch.Tensor:
@@ -140,12 +144,18 @@ class _StepState:
         still = []
         for work, t in self.pending:
             if work.is_completed():
-                t.untyped_storage().resize_(0)
+                self._release(t)
             else:
                 still.append((work, t))
         self.pending = still
 
     def finish_sends(self) -> None:
-        for work, _ in self.pending:
+        for work, t in self.pending:
             work.wait()
+            self._release(t)
         self.pending = []
+
+    def _release(self, t: torch.Tensor) -> None:
+        storage = t.untyped_storage()
+        self.released_bytes += storage.nbytes()
+        storage.resize_(0)

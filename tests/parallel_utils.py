@@ -93,9 +93,11 @@ def train_worker(overrides: List[str], steps: int):
         if step == 0:
             grads = local_grads(engine)
     comm = engine.mesh.ledger.snapshot()
+    released = engine.runner.released_bytes
     val_loss = engine.eval_loss(batch_fn(engine, 1000))  # forward-only schedule on held-out samples
     return {"losses": losses, "grad_norms": norms, "grads": grads, "max_in_flight": engine.runner.max_in_flight,
-            "comm": comm, "val_loss": val_loss}
+            "comm": comm, "val_loss": val_loss,
+            "released_bytes": released}
 
 
 def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_dir: str):

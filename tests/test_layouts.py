@@ -67,7 +67,23 @@ def test_half_precision_activations_cross_stages(precision):
     assert out[1]["comm"]["by_group"]["pp"] == 2 * 4 * 32 * 2 * 64 * 2  # 4 mb x (fwd + bwd) x s*b*h x 2 bytes
 
 
-def test_one_f_one_b_bounds_activations_in_flight():
+def test_one_f_one_b_bounds_activations_in_flight_and_frees_what_it_sent():
     out = run_world(train_worker, 4, ["parallel.pp=4", "train.global_batch_size=16"], 1)
     for rank, r in enumerate(out):  # 8 micro-batches, but at most pp - rank in flight
         assert r["max_in_flight"] == 4 - rank
+        # every activation / input gradient sent was freed right after (one step; the ledger counts sends)
+        assert r["released_bytes"] == r["comm"]["by_group"]["pp"] > 0
+
+
+def test_backward_through_an_output_whose_storage_was_freed():
+    """What the pipeline relies on: a sent output keeps only its shape and autograd node."""
+    x = torch.randn(6, 2, 8, requires_grad=True)
+    w = torch.randn(8, 8, requires_grad=True)
+    out = x + torch.nn.functional.gelu(x @ w)  # a residual-stream output, as a stage returns
+    grad = torch.randn_like(out)
+    expected = torch.autograd.grad(out, (x, w), grad, retain_graph=True)
+    out.detach().untyped_storage().resize_(0)
+    assert out.untyped_storage().nbytes() == 0
+    got = torch.autograd.grad(out, (x, w), grad)
+    for a, b in zip(got, expected):
+        assert torch.equal(a, b)

@@ -15,15 +15,6 @@ CPU = torch.device("cpu")
 N = 4096
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run far faster on one intra-op thread (the multi-process workers use one as well)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _tracker(seed: int = 1234, tp_rank: int = 0, dp_rank: int = 0, pp_rank: int = 0):
     from parallel.random import RNGTracker
 

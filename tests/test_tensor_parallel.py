@@ -24,15 +24,6 @@ from tests.dist_harness import run_world
 S, B, IN, OUT, V, H = 8, 3, 12, 8, 16, 6  # s and every split dim divisible by 4
 
 
-@pytest.fixture(autouse=True)
-def _one_thread():
-    """Tiny models run far faster on one intra-op thread (the multi-process workers use one as well)."""
-    before = torch.get_num_threads()
-    torch.set_num_threads(1)
-    yield
-    torch.set_num_threads(before)
-
-
 def _rand(seed: int, *shape) -> torch.Tensor:
     return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64)
 
