@@ -6,6 +6,7 @@ the step's communication ledger as ``comm``; validation records carry val_loss.
 """
 from __future__ import annotations
 
+import hashlib
 import json
 import math
 import resource
@@ -82,8 +83,6 @@ class MetricsLogger:
 
 def _wandb_id(run_dir: Path) -> str:
     """A stable id per run directory, so a resumed run continues the same wandb run."""
-    import hashlib
-
     return hashlib.sha1(str(run_dir.resolve()).encode()).hexdigest()[:16]
 
 
