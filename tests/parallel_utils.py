@@ -36,18 +36,23 @@ def synthetic_sample(index: int, seq_len: int, vocab: int) -> torch.Tensor:
     return torch.where(noise, torch.randint(0, vocab, (seq_len + 1,), generator=g), t)
 
 
-def batch_fn(engine: Engine, step: int):
-    """Micro-batch m of this DP rank at a given step, from the global batch of that step."""
-    cfg, layout = engine.cfg, engine.mesh.layout
-    per_rank = cfg.train.global_batch_size // layout.dp
-    base = step * cfg.train.global_batch_size + engine.mesh.dp_rank * per_rank
+class SyntheticData:
+    """A ``Sampleable`` of learnable synthetic sequences (numpy, like the real datasets)."""
 
-    def get(mb: int):
-        start = base + mb * cfg.train.micro_batch_size
-        s = torch.stack([synthetic_sample(i, cfg.model.seq_len, cfg.model.vocab_size)
-                         for i in range(start, start + cfg.train.micro_batch_size)])
-        return s[:, :-1], s[:, 1:]
-    return get
+    def __init__(self, seq_len: int, vocab: int):
+        self.seq_len, self.vocab = seq_len, vocab
+
+    def sample(self, index: int):
+        return synthetic_sample(index, self.seq_len, self.vocab).numpy()
+
+
+def batch_fn(engine: Engine, step: int):
+    """Micro-batches of this DP rank at a given step, sliced from the global batch by the trainer's own code."""
+    from training.trainer import batch_source
+
+    cfg = engine.cfg
+    data = SyntheticData(cfg.model.seq_len, cfg.model.vocab_size)
+    return batch_source(data, step * cfg.train.global_batch_size, cfg, engine.mesh)
 
 
 def build_engine(cfg: Config) -> Engine:

@@ -103,14 +103,17 @@ class Checkpointer:
                       exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
         return st
 
-    def _meta(self, step: int, consumed_samples: int) -> Dict[str, Any]:
+    def _layout(self) -> Dict[str, int]:
         layout = self.mesh.layout
+        return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
+                "virtual_stages": layout.virtual_stages}
+
+    def _meta(self, step: int, consumed_samples: int) -> Dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
                 "skipped_steps": self.engine.skipped_steps, "loss_scaler": self.engine.scaler.state_dict(),
                 "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
                 "model": {k: getattr(self.cfg.model, k) for k in _MODEL_KEYS},
-                "layout": {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                           "virtual_stages": layout.virtual_stages},
+                "layout": self._layout(),
                 "time": time.time(), "torch": torch.__version__}
 
     # -- save -------------------------------------------------------------------------------------
@@ -237,9 +240,7 @@ class Checkpointer:
         optimizer_steps = engine.step - engine.skipped_steps
         for p in engine.params.values():
             self._adam_state(p)["step"].fill_(float(optimizer_steps))
-        layout = self.mesh.layout
-        same = meta["layout"] == {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp,
-                                  "dp": layout.dp, "virtual_stages": layout.virtual_stages}
+        same = meta["layout"] == self._layout()
         rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
         if same and rng_file.is_file():
             engine.rng.load_state_dict(torch.load(rng_file, weights_only=False)["rng"])

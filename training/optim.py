@@ -9,7 +9,7 @@ from torch import nn
 
 from parallel import comm
 from parallel.comm import Group
-from training.config import Config, LossScaleConfig, TrainConfig
+from training.config import LossScaleConfig, TrainConfig
 
 
 def build_optimizer(named_params: Sequence[Tuple[str, nn.Parameter]], t: TrainConfig,
