@@ -47,10 +47,12 @@ class Norm(nn.Module):
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         shape = (x.shape[-1],)
         with torch.autocast(x.device.type, enabled=False):
+            # parameters may be held in the compute dtype (ZeRO): the arithmetic stays fp32
+            weight = self.weight.float()
             if self.kind == "rmsnorm":
-                y = F.rms_norm(x.float(), shape, self.weight, self.eps)
+                y = F.rms_norm(x.float(), shape, weight, self.eps)
             else:
-                y = F.layer_norm(x.float(), shape, self.weight, self.bias, self.eps)
+                y = F.layer_norm(x.float(), shape, weight, self.bias.float(), self.eps)
         return y.to(x.dtype)
 
 

@@ -1,4 +1,9 @@
-"""Plain data parallelism: bucketed gradient all-reduce, overlapped with backward.
+"""Plain data parallelism (ZeRO stage 0): bucketed gradient all-reduce, overlapped with backward.
+
+``DataParallel`` is the strategy the engine talks to (the same five calls as
+``parallel/zero/sharded.py``): zero_grad, before_last_backward, finish_grads,
+clip, step. Parameters, gradients and AdamW state are fp32 and whole on every
+DP rank (16 bytes a parameter); bf16/fp16 compute runs under autocast.
 
 Every parameter's ``.grad`` is a view into a flat fp32 bucket buffer, so autograd
 accumulates micro-batch gradients in place and a bucket is all-reduced as one
@@ -14,13 +19,16 @@ strictly in index order on every rank, which collectives over one group require.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence
+from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
 
 from parallel import comm
 from parallel.comm import Group
+from model.gpt import EMBEDDING
+from parallel.mesh import Mesh
+from training.optim import build_optimizer, unscale_and_clip
 
 
 class GradBuckets:
@@ -88,3 +96,54 @@ class GradBuckets:
             work.wait()
         self._syncing = False
         self._works = []
+
+
+class DataParallel:
+    def __init__(self, cfg, mesh: Mesh, chunks: Sequence[nn.Module], params: Dict[str, nn.Parameter]):
+        self.mesh, self.params = mesh, params
+        self.buckets = [GradBuckets(list(c.parameters()), mesh.dp, cfg.parallel.bucket_mb,
+                                    cfg.parallel.overlap_grad_reduce) for c in chunks]
+        self.optimizer = build_optimizer(list(params.items()), cfg.train, mesh.device)
+        self._sp_params = [p for p in params.values() if p.spec.sequence_parallel]
+        self._tied = [p for n, p in params.items() if cfg.model.tie_embeddings and mesh.layout.pp > 1
+                      and (n == EMBEDDING or p.spec.shared_with == EMBEDDING)]
+
+    def zero_grad(self) -> None:
+        for b in self.buckets:
+            b.zero_grad()
+
+    def before_last_backward(self, chunk: int) -> None:
+        self.buckets[chunk].start_sync()
+
+    def finish_grads(self) -> None:
+        """DP mean, then the reductions model parallelism needs: SP norm weights over TP, tied embeddings."""
+        for b in self.buckets:
+            b.finish()
+        if self._sp_params and self.mesh.tp.size > 1:
+            # each TP rank normalised only its sequence slice: sum the partial norm-weight gradients
+            flat = torch.cat([p.grad.flatten() for p in self._sp_params])
+            comm.all_reduce(flat, self.mesh.tp)
+            offset = 0
+            for p in self._sp_params:
+                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
+                offset += p.numel()
+        for p in self._tied:  # input embedding (first stage) and its copy, the output weight (last stage)
+            comm.all_reduce(p.grad, self.mesh.embedding)
+
+    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+        buffers = [buf for b in self.buckets for buf in b.buckets]
+        return unscale_and_clip(list(self.params.values()), buffers, self.mesh.mp, self.mesh.tp_rank, loss_scale,
+                                max_norm)
+
+    def step(self, lr: float) -> None:
+        for group in self.optimizer.param_groups:
+            group["lr"] = lr
+        self.optimizer.step()
+
+    def memory(self) -> Dict[str, int]:
+        """Bytes this rank holds now, by component."""
+        state = [t for st in self.optimizer.state.values() for t in st.values()
+                 if isinstance(t, torch.Tensor) and t.numel() > 1]
+        return {"parameters": sum(p.numel() * p.element_size() for p in self.params.values()),
+                "gradients": sum(b.numel() * b.element_size() for bk in self.buckets for b in bk.buckets),
+                "optimizer": sum(t.numel() * t.element_size() for t in state), "working_peak": 0}

@@ -100,13 +100,22 @@ class ParallelConfig:
 @dataclass
 class ZeroConfig:
     stage: int = 0
-    """ZeRO stage (0 = plain data parallel). Stages 1-3 and ZeRO++ are not implemented yet."""
+    """ZeRO stage over each data-parallel group: 0 = plain DP, 1 = shard optimizer states, 2 = also gradients,
+    3 = also parameters (gathered per block before use, released after)."""
+    partition: str = "flat"
+    """How shards are cut: flat (equal contiguous pieces of each block's flat buffer) | whole_tensor (every tensor
+    whole on one rank, largest first to the least-loaded rank; what FP8-LM's per-tensor scales need)."""
+    reduce_dtype: str = "compute"
+    """Stages 1-3: dtype in which gradients accumulate and are reduce-scattered: compute (the precision's dtype, as
+    Megatron-core and FSDP2 do) | fp32."""
+    prefetch: bool = True
+    """Stage 3: gather the next block's parameters while the current one computes (no effect below stage 3)."""
     quantized_weights: bool = False
-    """qwZ: int8 blockwise-quantized weight all-gather (not implemented yet)."""
+    """qwZ: int8 blockwise-quantized weight all-gather (needs stage 3; not implemented yet)."""
     hpz_size: int = 1
-    """hpZ: secondary weight partition group size, 1 = off (not implemented yet)."""
+    """hpZ: secondary weight partition group size, 1 = off (needs stage 3; not implemented yet)."""
     quantized_gradients: bool = False
-    """qgZ: int4 hierarchical all-to-all gradient reduce-scatter (not implemented yet)."""
+    """qgZ: int4 hierarchical all-to-all gradient reduce-scatter (needs stage 3; not implemented yet)."""
 
 
 @dataclass
@@ -295,6 +304,8 @@ _CHOICES = {
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
+    "zero.partition": ("flat", "whole_tensor"),
+    "zero.reduce_dtype": ("compute", "fp32"),
 }
 
 
@@ -352,9 +363,12 @@ def validate_config(cfg: Config) -> None:
          f"data.split={cfg.data.split} must be two non-negative fractions [train, valid] with train > 0")
     need(cfg.precision != "fp8", "precision=fp8 is not implemented yet (FP8-LM is a later milestone)")
     z = cfg.zero
-    need(z.stage == 0 and not z.quantized_weights and not z.quantized_gradients and z.hpz_size == 1,
-         f"zero.stage={z.stage}, zero.quantized_weights={z.quantized_weights}, zero.hpz_size={z.hpz_size}, "
-         f"zero.quantized_gradients={z.quantized_gradients}: ZeRO/ZeRO++ are not implemented yet; "
-         "use zero.stage=0 (plain data parallelism)")
+    need(z.stage in (0, 1, 2, 3), f"zero.stage={z.stage} is not one of [0, 1, 2, 3]")
+    need(z.hpz_size >= 1, f"zero.hpz_size={z.hpz_size} must be >= 1")
+    for key in ("zero.quantized_weights", "zero.hpz_size", "zero.quantized_gradients"):
+        value, default = _get(cfg, key), _get(Config(), key)
+        if value != default:
+            need(False, f"{key}={value} needs zero.stage=3 (got zero.stage={z.stage})" if z.stage != 3 else
+                 f"{key}={value}: ZeRO++ is not implemented yet (ZeRO stages 0-3 are)")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -1,10 +1,15 @@
 """One optimizer step over any (pp, dp, tp) layout: the seam every later technique plugs into.
 
 ``train_step`` = zero grads -> pipeline schedule (forwards/backwards of all
-micro-batches, DP buckets reducing during the last backward) -> gradient
+micro-batches, gradients reducing over DP during the last backward) -> gradient
 reductions that parallelism requires (sequence-parallel norm weights over TP,
 tied embeddings over first+last stage) -> global norm, unscale, clip -> AdamW
 step, or a skipped step when gradients are not finite.
+
+Everything data-parallel is asked of one strategy object, ``self.dp``: plain DP
+(``parallel/data_parallel.py``, ZeRO stage 0) or ZeRO 1-3
+(``parallel/zero/sharded.py``). Both answer zero_grad, before_last_backward,
+finish_grads, clip and step; the engine knows nothing of shards.
 """
 from __future__ import annotations
 
@@ -13,15 +18,16 @@ from typing import Callable, Dict, List, Tuple
 
 import torch
 
-from model.gpt import EMBEDDING, build_chunks, named_parameters
+from model.gpt import build_chunks, named_parameters
 from model.layers import TPContext
 from parallel import comm
-from parallel.data_parallel import GradBuckets
+from parallel.data_parallel import DataParallel
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner
 from parallel.random import RNGTracker
+from parallel.zero.sharded import ZeroDataParallel
 from training.config import Config
-from training.optim import LossScaler, LRSchedule, build_optimizer, unscale_and_clip
+from training.optim import LossScaler, LRSchedule
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_CONSECUTIVE_SKIPS = 50
@@ -37,20 +43,18 @@ class Engine:
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
-        self.buckets = [GradBuckets(list(c.parameters()), mesh.dp, cfg.parallel.bucket_mb,
-                                    cfg.parallel.overlap_grad_reduce) for c in self.chunks]
+        if cfg.zero.stage == 0:
+            self.dp = DataParallel(cfg, mesh, self.chunks, self.params)
+        else:
+            self.dp = ZeroDataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
         seq = m.seq_len // layout.tp if mesh.sequence_parallel else m.seq_len
         self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
-        self.optimizer = build_optimizer(list(self.params.items()), cfg.train, mesh.device)
         self.lr_schedule = LRSchedule(cfg.train)
         self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
         self.compute_dtype = COMPUTE_DTYPES[cfg.precision]
         self.step = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0
-        self._sp_params = [p for p in self.params.values() if p.spec.sequence_parallel]
-        self._tied = [p for n, p in self.params.items() if cfg.model.tie_embeddings and layout.pp > 1
-                      and (n == EMBEDDING or p.spec.shared_with == EMBEDDING)]
 
     def autocast(self) -> contextlib.AbstractContextManager:
         if self.compute_dtype == torch.float32:
@@ -60,27 +64,12 @@ class Engine:
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, batch: BatchFn) -> float:
         """Gradients of the global batch (DP mean, scaled by the loss scale); returns the global loss."""
-        for b in self.buckets:
-            b.zero_grad()
+        self.dp.zero_grad()
         num_mb = self.mesh.layout.num_microbatches
         losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
-                                 dtype=self.compute_dtype, before_last_backward=lambda c: self.buckets[c].start_sync())
-        for b in self.buckets:
-            b.finish()
-        self._reduce_parallel_grads()
+                                 dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
+        self.dp.finish_grads()
         return self._global_loss(losses)
-
-    def _reduce_parallel_grads(self) -> None:
-        if self._sp_params and self.mesh.tp.size > 1:
-            # each TP rank normalised only its sequence slice: sum the partial norm-weight gradients
-            flat = torch.cat([p.grad.flatten() for p in self._sp_params])
-            comm.all_reduce(flat, self.mesh.tp)
-            offset = 0
-            for p in self._sp_params:
-                p.grad.copy_(flat[offset:offset + p.numel()].view_as(p))
-                offset += p.numel()
-        for p in self._tied:  # input embedding (first stage) and its copy, the output weight (last stage)
-            comm.all_reduce(p.grad, self.mesh.embedding)
 
     def _global_loss(self, losses: List[torch.Tensor]) -> float:
         """Mean over micro-batches and DP ranks, known on every rank (the last stage holds it)."""
@@ -92,13 +81,9 @@ class Engine:
     def train_step(self, batch: BatchFn) -> Dict[str, float]:
         loss = self.forward_backward(batch)
         lr = self.lr_schedule(self.step)
-        buffers = [buf for b in self.buckets for buf in b.buckets]
-        norm, finite = unscale_and_clip(list(self.params.values()), buffers, self.mesh.mp, self.mesh.tp_rank,
-                                        self.scaler.scale, self.cfg.train.grad_clip)
+        norm, finite = self.dp.clip(self.scaler.scale, self.cfg.train.grad_clip)
         if finite:
-            for group in self.optimizer.param_groups:
-                group["lr"] = lr
-            self.optimizer.step()
+            self.dp.step(lr)
             self._consecutive_skips = 0
         else:
             self.skipped_steps += 1

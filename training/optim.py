@@ -12,10 +12,15 @@ from parallel.comm import Group
 from training.config import LossScaleConfig, TrainConfig
 
 
+def weight_decay_exempt(name: str, p: nn.Parameter) -> bool:
+    """Norms (1-D) and biases (by name: fused biases are 2-D) get no weight decay."""
+    return name.endswith("bias") or p.ndim < 2
+
+
 def build_optimizer(named_params: Sequence[Tuple[str, nn.Parameter]], t: TrainConfig,
                     device: torch.device) -> torch.optim.AdamW:
-    """AdamW; no weight decay on norms (1-D) and biases (by name: fused biases are 2-D)."""
-    exempt = [n.endswith("bias") or p.ndim < 2 for n, p in named_params]
+    """AdamW; no weight decay on norms and biases (``weight_decay_exempt``)."""
+    exempt = [weight_decay_exempt(n, p) for n, p in named_params]
     decay = [p for (_, p), ex in zip(named_params, exempt) if not ex]
     no_decay = [p for (_, p), ex in zip(named_params, exempt) if ex]
     groups = [{"params": decay, "weight_decay": t.weight_decay}, {"params": no_decay, "weight_decay": 0.0}]

@@ -1,0 +1,381 @@
+"""ZeRO stages 1, 2 and 3 over the data-parallel group of each (pp, tp) coordinate.
+
+Every unit (``units.py``: embedding, each block, final norm, head) keeps its
+parameters as views of one flat buffer laid out by ``partition.py``; rank r of
+the N DP ranks owns shard r of it. What each stage keeps between steps:
+
+  stage   parameters (compute dtype)   gradients (reduce dtype)       optimizer (fp32)
+  1       full                         full                           master, m, v shards
+  2       full                         shard                          master, m, v shards
+  3       shard (+ gathered working)   shard                          master, m, v shards
+
+(in fp32 the master shard *is* the parameter shard, no copy.) A step:
+
+1. Backward. A hook on each parameter adds its gradient into the unit's flat
+   gradient buffer (in the reduce dtype, so bf16 parameters can accumulate in
+   fp32) and frees ``p.grad``. Once all of a unit's parameters have reported:
+   stages 1-2, on the last backward of the step, divide by N and launch the
+   unit's reduce-scatter asynchronously (overlapping the rest of backward);
+   stage 3 does that after every micro-batch's backward, accumulating the
+   reduced shard (one reduce-scatter in flight; its buffer is freed on arrival).
+2. ``finish_grads``: wait; sum the pieces of sequence-parallel norm/bias gradients
+   over TP; sum the tied embedding's shard over first + last stage.
+3. ``clip``: the global norm from shard pieces, each global parameter once
+   (TP-replicated pieces on TP rank 0 only, tied copies never), summed over the
+   whole world (= DP shards x TP x PP).
+4. ``step``: AdamW on the fp32 master shard, then stages 1-2 all-gather the
+   updated parameters (compute dtype); stage 3 refreshes its parameter shard.
+
+Stage 3 gathers: a forward pre-hook gathers the units a module uses (waiting for
+a prefetch if one is in flight) and prefetches the next module's units (the order
+is recorded during each chunk's first forward); the forward hook releases them
+(storage resized to 0: the parameters keep their shapes and autograd's saved
+references) and hooks the module output, whose gradient's arrival gathers them
+again for backward and prefetches the previous module's. A unit is released
+when its last gradient arrives. Activation recomputation runs inside backward,
+where the forward hook does not release: the recompute's gather *is* the
+backward gather (no extra traffic). Under pipelining every micro-batch gathers
+in forward and again in backward, and reduce-scatters its gradients.
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from model.gpt import EMBEDDING
+from parallel import comm
+from parallel.mesh import Mesh
+from parallel.zero.adamw import adamw_step
+from parallel.zero.partition import ShardLayout, shard_layout
+from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
+from training.config import Config
+from training.optim import owns_gradient, weight_decay_exempt
+
+Ranges = List[Tuple[int, int]]
+DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+
+
+def _merge(ranges: Ranges) -> Ranges:
+    out: Ranges = []
+    for a, b in sorted(ranges):
+        if out and out[-1][1] == a:
+            out[-1] = (out[-1][0], b)
+        else:
+            out.append((a, b))
+    return out
+
+
+class Working:
+    """Bytes of transient buffers alive now (gathered parameters, full gradients) and their peak."""
+
+    def __init__(self):
+        self.now = self.peak = 0
+
+    def add(self, n: int) -> None:
+        self.now += n
+        self.peak = max(self.peak, self.now)
+
+    def sub(self, n: int) -> None:
+        self.now -= n
+
+
+class Unit:
+    """One unit's buffers on this rank; see the module docstring for what each stage keeps."""
+
+    def __init__(self, spec: UnitSpec, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int, kind: str,
+                 compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool):
+        self.name, self.params, self.stage, self.working, self.tied = spec.name, spec.params, stage, working, tied
+        self.names = [names[p] for p in self.params]
+        dp = mesh.dp
+        self.layout: ShardLayout = shard_layout([p.numel() for p in self.params], dp.size, kind)
+        n, s, r = dp.size, self.layout.shard_size, dp.rank
+        self.own = slice(r * s, (r + 1) * s)
+        self.reduce_dtype = reduce
+        with torch.no_grad():
+            values = torch.zeros(n * s, dtype=torch.float32, device=mesh.device)
+            for p, off in zip(self.params, self.layout.offsets):
+                values[off:off + p.numel()] = p.detach().flatten().float()
+            self.full = values.to(compute)
+            for p, off in zip(self.params, self.layout.offsets):
+                p.data = self.full[off:off + p.numel()].view(p.shape)
+            if stage == 3:
+                self.shard = self.full[self.own].clone()
+                self.master = self.shard if compute == torch.float32 else values[self.own].clone()
+                self.full.untyped_storage().resize_(0)  # gathered on demand
+            else:
+                self.shard = self.full[self.own]
+                self.master = self.shard if compute == torch.float32 else values[self.own].clone()
+        del values
+        self.exp_avg = torch.zeros(s, dtype=torch.float32, device=mesh.device)
+        self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.grad_full: Optional[torch.Tensor] = None
+        if stage == 1:
+            self.grad_full = torch.zeros(n * s, dtype=reduce, device=mesh.device)
+            self.grad_shard = self.grad_full[self.own]
+        else:
+            self.grad_shard = torch.zeros(s, dtype=reduce, device=mesh.device)
+        # per-piece roles of this rank's shard
+        decay, norm, sp = [], [], []
+        for i, a, b, at in self.layout.owned(r):
+            p, piece = self.params[i], (at, at + b - a)
+            if not weight_decay_exempt(self.names[i], p):
+                decay.append(piece)
+            if owns_gradient(p, mesh.tp_rank):
+                norm.append(piece)
+            if p.spec.sequence_parallel:
+                sp.append(piece)
+        self.decay, self.norm_ranges, self.sp_ranges = _merge(decay), _merge(norm), _merge(sp)
+        self.arrived = 0
+        self.gathered = stage < 3
+        self.gather_work = None
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        if self.grad_full is None:
+            self.grad_full = torch.zeros(self.layout.padded_size, dtype=self.reduce_dtype, device=self.shard.device)
+            self.working.add(self.grad_full.numel() * self.grad_full.element_size())
+        off, p = self.layout.offsets[i], self.params[i]
+        return self.grad_full[off:off + p.numel()].view(p.shape)
+
+    def drop_grad_full(self) -> None:
+        self.working.sub(self.grad_full.numel() * self.grad_full.element_size())
+        self.grad_full = None
+
+
+class ZeroDataParallel:
+    def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
+        z = cfg.zero
+        self.cfg, self.mesh, self.stage = cfg, mesh, z.stage
+        self.compute_dtype = DTYPES[cfg.precision]
+        reduce = self.compute_dtype if z.reduce_dtype == "compute" else torch.float32
+        self.overlap = cfg.parallel.overlap_grad_reduce
+        self.working = Working()
+        tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
+        self.chunk_units: List[List[Unit]] = []
+        self.chunk_uses: List[List[ModuleUse]] = []
+        self._where: Dict[nn.Parameter, Tuple[Unit, int]] = {}
+        for chunk in chunks:
+            specs, uses = chunk_units(chunk)
+            units = []
+            for spec in specs:
+                tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
+                unit = Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
+                            tied)
+                for i, p in enumerate(unit.params):
+                    self._where[p] = (unit, i)
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+                units.append(unit)
+            self.chunk_units.append(units)
+            self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
+        self.units = [u for units in self.chunk_units for u in units]
+        self._syncing = [False] * len(self.chunk_units)
+        self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
+        self._launched: List[tuple] = []  # (unit, work, out) of reduce-scatters in flight
+        self._factor = 1.0
+        self.optimizer_steps = 0
+        if self.stage == 3:
+            self._order: List[Optional[List[ModuleUse]]] = [None] * len(chunks)
+            self._recording: Dict[int, List[ModuleUse]] = {}
+            for c, chunk in enumerate(chunks):
+                chunk.register_forward_pre_hook(partial(self._chunk_begin, c))
+                chunk.register_forward_hook(partial(self._chunk_end, c))
+                for use in self.chunk_uses[c]:
+                    use.module.register_forward_pre_hook(partial(self._pre_forward, c, use))
+                    use.module.register_forward_hook(partial(self._post_forward, c, use))
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.arrived = 0
+            if self.stage == 1:
+                u.grad_full.zero_()
+            elif self.stage == 3:
+                u.grad_shard.zero_()
+        self._syncing = [False] * len(self.chunk_units)
+
+    def before_last_backward(self, chunk: int) -> None:
+        self._syncing[chunk] = True
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit, i = self._where[p]
+        unit.grad_view(i).add_(p.grad)
+        p.grad = None
+        unit.arrived += 1
+        if unit.arrived < len(unit.params):
+            return
+        unit.arrived = 0
+        if self.stage == 3:
+            self._release(unit)
+            self._reduce(unit)
+        elif self._syncing[self._chunk_of[id(unit)]] and self.overlap:
+            self._reduce(unit)
+
+    def _reduce(self, unit: Unit) -> None:
+        """Launch the unit's gradient reduce-scatter (mean over DP)."""
+        if self.stage == 3:
+            self._drain()  # one in flight: bounds the full-gradient buffers alive at once
+        buf = unit.grad_full
+        buf.div_(self.mesh.dp.size)
+        out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
+        self._launched.append((unit, comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True), out))
+
+    def _drain(self) -> None:
+        for unit, work, out in self._launched:
+            work.wait()
+            if self.stage == 3:
+                unit.grad_shard.add_(out)
+            if self.stage == 1:
+                unit.grad_shard.copy_(out)
+            else:
+                unit.drop_grad_full()
+        self._launched = []
+
+    def finish_grads(self) -> None:
+        pending = {id(u) for u, _, _ in self._launched}
+        if self.stage < 3:
+            for u in self.units:
+                if id(u) not in pending:
+                    self._reduce(u)
+        self._drain()
+        tp = self.mesh.tp
+        pieces = [u.grad_shard[a:b] for u in self.units for a, b in u.sp_ranges]
+        if pieces and tp.size > 1:  # each TP rank normalised only its sequence slice
+            flat = torch.cat(pieces)
+            comm.all_reduce(flat, tp)
+            torch._foreach_copy_(pieces, list(flat.split([p.numel() for p in pieces])))
+        for u in self.units:
+            if u.tied:  # the embedding (first stage) and its copy (last stage): same layout, sum the shards
+                comm.all_reduce(u.grad_shard, self.mesh.embedding)
+
+    # -- optimizer --------------------------------------------------------------------------------
+    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+        sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
+        for u in self.units:
+            for a, b in u.norm_ranges:
+                sq += u.grad_shard[a:b].float().square().sum()
+        comm.all_reduce(sq, self.mesh.world)
+        norm = sq.sqrt().item() / loss_scale
+        if not math.isfinite(norm):
+            return norm, False
+        self._factor = 1.0 / loss_scale
+        if max_norm > 0 and norm > max_norm:
+            self._factor *= max_norm / (norm + 1e-6)
+        return norm, True
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        t = self.cfg.train
+        self.optimizer_steps += 1
+        for u in self.units:
+            grad = u.grad_shard.float() * self._factor
+            adamw_step(u.master, grad, u.exp_avg, u.exp_avg_sq, u.decay, self.optimizer_steps, lr, t.beta1,
+                       t.beta2, t.eps, t.weight_decay)
+            if u.shard is not u.master:
+                u.shard.copy_(u.master)
+            if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
+                comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
+
+    # -- stage 3: gather before use, release after --------------------------------------------------
+    def _start_gather(self, unit: Unit) -> None:
+        if unit.gathered or unit.gather_work is not None:
+            return
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        self.working.add(unit.full_bytes)
+        unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
+
+    def _gather(self, unit: Unit) -> None:
+        self._start_gather(unit)
+        if unit.gather_work is not None:
+            unit.gather_work.wait()
+            unit.gather_work = None
+            unit.gathered = True
+
+    def _release(self, unit: Unit) -> None:
+        if unit.gather_work is not None:
+            self._gather(unit)
+        if unit.gathered:
+            unit.full.untyped_storage().resize_(0)
+            self.working.sub(unit.full_bytes)
+            unit.gathered = False
+
+    def _prefetch(self, chunk: int, use: ModuleUse, step: int) -> None:
+        order = self._order[chunk]
+        if order is None or not self.cfg.zero.prefetch:
+            return
+        i = next((k for k, u in enumerate(order) if u is use), None)
+        if i is not None and 0 <= i + step < len(order):
+            for unit in order[i + step].units:
+                self._start_gather(unit)
+
+    def _chunk_begin(self, chunk: int, module, args) -> None:
+        if self._order[chunk] is None and torch.is_grad_enabled() and not _in_backward():
+            self._recording[chunk] = []
+
+    def _chunk_end(self, chunk: int, module, args, out) -> None:
+        if chunk in self._recording:
+            self._order[chunk] = self._recording.pop(chunk)
+
+    def _pre_forward(self, chunk: int, use: ModuleUse, module, args) -> None:
+        if chunk in self._recording and not _in_backward():
+            self._recording[chunk].append(use)
+        for unit in use.units:
+            self._gather(unit)
+        self._prefetch(chunk, use, -1 if _in_backward() else 1)
+
+    def _post_forward(self, chunk: int, use: ModuleUse, module, args, out):
+        if _in_backward():
+            return None  # a recomputation: the backward that follows needs the weights
+        for unit in use.units:
+            self._release(unit)
+        if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
+            out.register_hook(partial(self._pre_backward, chunk, use))
+        return None
+
+    def _pre_backward(self, chunk: int, use: ModuleUse, grad: torch.Tensor) -> None:
+        for unit in use.units:
+            self._gather(unit)
+        self._prefetch(chunk, use, -1)
+
+    def unsharded_grads(self) -> Dict[str, torch.Tensor]:
+        """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""
+        out = {}
+        for u in self.units:
+            full = torch.empty(u.layout.padded_size, dtype=u.grad_shard.dtype, device=u.grad_shard.device)
+            comm.all_gather(full, u.grad_shard.clone(), self.mesh.dp)
+            for name, p, off in zip(u.names, u.params, u.layout.offsets):
+                out[name] = full[off:off + p.numel()].view(p.shape).float()
+        return out
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def memory(self) -> Dict[str, int]:
+        """Bytes this rank holds now, by component (views of one storage counted once)."""
+        seen = set()
+
+        def size(*tensors: Optional[torch.Tensor]) -> int:
+            total = 0
+            for t in tensors:
+                if t is None:
+                    continue
+                st = t.untyped_storage()
+                if st.data_ptr() in seen or st.nbytes() == 0:
+                    continue
+                seen.add(st.data_ptr())
+                total += st.nbytes()
+            return total
+
+        params = sum(size(u.full if self.stage < 3 else u.shard) for u in self.units)
+        grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
+        optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
+        return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}
+
+
+def _in_backward() -> bool:
+    """True inside an autograd backward pass (e.g. during activation recomputation)."""
+    return torch._C._current_graph_task_id() != -1

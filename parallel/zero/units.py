@@ -1,0 +1,77 @@
+"""ZeRO units: the groups of parameters that are gathered, reduced and stepped together.
+
+One unit per module that runs as a whole: the token embedding, each transformer
+block, the final norm and the output projection, in forward order. Every
+parameter belongs to exactly one unit (nothing stays replicated by a size rule);
+a parameter used by two modules (the output projection tied to the embedding on
+one stage) belongs to the first, and the second module *uses* that unit too.
+
+The tied output weight on the last pipeline stage is a copy of the embedding: it
+is a unit of its own, as the embedding is, so both have the same shard layout and
+their gradient shards can be summed element-wise over the embedding group.
+
+``meta_chunks`` builds a rank's chunks on the meta device (shapes only, no
+memory, no initialisation) for the memory estimator and the analytic volume.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Sequence
+
+import torch
+from torch import nn
+
+from model.gpt import GPTChunk, chunk_layers
+from model.layers import TPContext
+from parallel.comm import Group, Ledger
+from parallel.layout import Layout
+from training.config import Config
+
+
+@dataclass
+class UnitSpec:
+    name: str
+    params: List[nn.Parameter]
+
+
+@dataclass
+class ModuleUse:
+    module: nn.Module
+    units: List[int] = field(default_factory=list)
+    """Indices (into the chunk's unit list) of the units this module's forward needs."""
+
+
+def chunk_units(chunk: nn.Module) -> tuple:
+    """(units in forward order, module uses) of one model chunk."""
+    modules = []
+    if getattr(chunk, "first", False):
+        modules.append(("embedding", chunk.embedding))
+    modules += [(f"layers.{i}", block) for i, block in chunk.layers.items()]
+    if getattr(chunk, "last", False):
+        modules += [("final_norm", chunk.final_norm), ("head", chunk.head)]
+    units: List[UnitSpec] = []
+    uses: List[ModuleUse] = []
+    owner = {}
+    for name, module in modules:
+        use = ModuleUse(module)
+        fresh = [p for p in module.parameters() if p.requires_grad and p not in owner]
+        if fresh:
+            for p in fresh:
+                owner[p] = len(units)
+            units.append(UnitSpec(name, fresh))
+        for p in module.parameters():
+            if p.requires_grad and owner[p] not in use.units:
+                use.units.append(owner[p])
+        uses.append(use)
+    return units, uses
+
+
+def meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]:
+    """A pipeline rank's chunks with meta tensors: the real modules' shapes and parameter order, no data."""
+    tp = Group("tp", None, list(range(layout.tp)), 0, "intra", Ledger())
+    ctx = TPContext(tp, layout.sequence_parallel, rng=None)  # type: ignore[arg-type]
+    last_v = layout.pp * layout.virtual_stages - 1
+    with torch.device("meta"):
+        return [GPTChunk(cfg.model, ctx, layers, first=v == 0, last=v == last_v,
+                         tied_copy=cfg.model.tie_embeddings and last_v > 0)
+                for v, layers in chunk_layers(cfg.model, layout.pp, layout.virtual_stages, pp_rank)]
