@@ -23,6 +23,7 @@ from typing import Dict, List, Sequence, Tuple
 
 import torch
 from torch import nn
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel import comm
 from parallel.comm import Group
@@ -139,6 +140,36 @@ class DataParallel:
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
+
+    def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: the parameter (and AdamW moments) as DTensors on the stage's (dp, tp) mesh."""
+        mesh = self.mesh.stage_mesh()
+        out: Dict[str, Dict[str, torch.Tensor]] = {}
+        for name, p in self.params.items():
+            place = [Replicate(), Shard(p.spec.tp_dim) if p.spec.tp_dim is not None else Replicate()]
+            tensors = {"model": p.data}
+            if with_optimizer:
+                st = self._adam_state(p)
+                tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
+            out[name] = {k: DTensor.from_local(t, mesh, place, run_check=False) for k, t in tensors.items()}
+        return out
+
+    def _adam_state(self, p: nn.Parameter) -> Dict[str, torch.Tensor]:
+        """AdamW's state of p, created as a fresh optimizer would if no step has been taken yet."""
+        st = self.optimizer.state[p]
+        if not st:
+            fused = self.optimizer.defaults.get("fused")
+            st.update(step=torch.tensor(0.0, device=p.device if fused else "cpu"),
+                      exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
+                      exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
+        return st
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        for p in self.params.values():
+            self._adam_state(p)["step"].fill_(float(steps))
+
+    def after_load(self) -> None:
+        """Parameters were loaded in place: nothing to refresh."""
 
     def memory(self) -> Dict[str, int]:
         """Bytes this rank holds now, by component."""

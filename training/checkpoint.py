@@ -33,7 +33,6 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from parallel import comm
 from training.config import Config, to_dict
@@ -73,35 +72,20 @@ class Checkpointer:
         self.world = self.mesh.world
 
     # -- state ------------------------------------------------------------------------------------
-    def _placements(self, p: torch.nn.Parameter) -> list:
-        dim = p.spec.tp_dim
-        return [Replicate(), Shard(dim) if dim is not None else Replicate()]
-
-    def _tensors(self, for_load: bool, with_optimizer: bool) -> Dict[str, DTensor]:
-        """Global-name -> DTensor views of this rank's parameters (and AdamW moments)."""
-        mesh = self.mesh.stage_mesh()
-        state: Dict[str, DTensor] = {}
-        for name, p in self.engine.params.items():
+    def _tensors(self, for_load: bool, with_optimizer: bool) -> Dict[str, torch.Tensor]:
+        """Global-name -> this rank's part of each parameter (and AdamW moment), as the DP strategy holds it:
+        DTensors for plain DP, shard views for ZeRO; both under global names and shapes."""
+        state: Dict[str, torch.Tensor] = {}
+        for name, entry in self.engine.dp.checkpoint_state(with_optimizer).items():
+            p = self.engine.params[name]
             key = p.spec.shared_with or name
             if p.spec.shared_with is not None and not for_load:
                 continue  # a tied copy is saved once, by its original
-            place = self._placements(p)
-            state[f"model.{key}"] = DTensor.from_local(p.data, mesh, place, run_check=False)
+            state[f"model.{key}"] = entry["model"]
             if with_optimizer:
-                st = self._adam_state(p)
                 for moment in ("exp_avg", "exp_avg_sq"):
-                    state[f"optim.{key}.{moment}"] = DTensor.from_local(st[moment], mesh, place, run_check=False)
+                    state[f"optim.{key}.{moment}"] = entry[moment]
         return state
-
-    def _adam_state(self, p: torch.nn.Parameter) -> Dict[str, torch.Tensor]:
-        """AdamW's state of p, created as a fresh optimizer would if no step has been taken yet."""
-        st = self.engine.optimizer.state[p]
-        if not st:
-            fused = self.engine.optimizer.defaults.get("fused")
-            st.update(step=torch.tensor(0.0, device=p.device if fused else "cpu"),
-                      exp_avg=torch.zeros_like(p, memory_format=torch.preserve_format),
-                      exp_avg_sq=torch.zeros_like(p, memory_format=torch.preserve_format))
-        return st
 
     def _layout(self) -> Dict[str, int]:
         layout = self.mesh.layout
@@ -228,6 +212,7 @@ class Checkpointer:
             fields = ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({fields})")
         dcp.load(self._tensors(for_load=True, with_optimizer=with_optimizer), checkpoint_id=str(path))
+        self.engine.dp.after_load()
         if with_optimizer:
             self._restore_counters(meta, path)
         return meta
@@ -237,9 +222,7 @@ class Checkpointer:
         engine.step = meta["step"]
         engine.skipped_steps = meta["skipped_steps"]
         engine.scaler.load_state_dict(meta["loss_scaler"])
-        optimizer_steps = engine.step - engine.skipped_steps
-        for p in engine.params.values():
-            self._adam_state(p)["step"].fill_(float(optimizer_steps))
+        engine.dp.set_optimizer_steps(engine.step - engine.skipped_steps)
         same = meta["layout"] == self._layout()
         rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
         if same and rng_file.is_file():

@@ -50,6 +50,7 @@ from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.mesh import Mesh
 from parallel.zero.adamw import adamw_step
+from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
 from training.config import Config
@@ -342,6 +343,39 @@ class ZeroDataParallel:
         for unit in use.units:
             self._gather(unit)
         self._prefetch(chunk, use, -1)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: its master weights (and AdamW moments) as global tensors of which this rank
+        holds its shard's pieces (views: loading writes straight into the shards)."""
+        out: Dict[str, Dict[str, torch.Tensor]] = {}
+        buffers = ("model", "exp_avg", "exp_avg_sq") if with_optimizer else ("model",)
+        for u in self.units:
+            pieces: Dict[int, list] = {i: [] for i in range(len(u.params))}
+            for i, a, b, at in u.layout.owned(self.mesh.dp.rank):
+                pieces[i].append((a, b, at))
+            for i, (name, p) in enumerate(zip(u.names, u.params)):
+                spec, local = p.spec, tuple(p.shape)
+                offset = [0] * len(local)
+                if spec.tp_dim is not None:
+                    offset[spec.tp_dim] = self.mesh.tp_rank * local[spec.tp_dim]
+                sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
+                out[name] = {key: shard_view(spec.global_shape, local, offset,
+                                             [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]])
+                             for key in buffers}
+        return out
+
+    def set_optimizer_steps(self, steps: int) -> None:
+        self.optimizer_steps = steps
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """Master shards were loaded: refresh the compute-dtype parameters from them."""
+        for u in self.units:
+            if u.shard is not u.master:
+                u.shard.copy_(u.master)
+            if self.stage < 3:
+                comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
         """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""
