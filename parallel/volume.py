@@ -69,7 +69,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
         if last_v in stages:
             per_mb += pair + 3 * _ring(t) * s * b * 4  # output layer input, cross entropy
         out["tp"] += mb * per_mb
-        if sp:
+        if sp and cfg.zero.stage == 0:  # (ZeRO sums only its shards' pieces: zero_step_bytes)
             norm = h * (2 if m.norm == "layernorm" else 1)
             elems = layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)
             out["tp"] += _ring(t) * 4 * elems
@@ -78,11 +78,52 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
     for action in train_schedule(pp, vp, mb, pp_rank):
         out["pp"] += act * len(sends(action, pp, vp, pp_rank))
 
-    local_params = _local_parameters(cfg, layout, stages)
-    out["dp"] += _ring(layout.dp) * 4 * local_params
-    if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
-        out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
-    out["mp"] += _ring(pp * t) * 4
+    if cfg.zero.stage == 0:
+        local_params = _local_parameters(cfg, layout, stages)
+        out["dp"] += _ring(layout.dp) * 4 * local_params
+        if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
+            out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
+        out["mp"] += _ring(pp * t) * 4
+    else:
+        for group, nbytes in zero_step_bytes(cfg, layout, rank).items():
+            out[group] += nbytes
+    out["world"] += _ring(layout.world_size) * 4
+    return dict(out)
+
+
+def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
+    """ZeRO 1-3 traffic of one step, per unit (``parallel/zero/units.py``) with S its padded shard:
+
+      stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
+      stage 3     per micro-batch: all-gather (N-1) S e_c once per module that uses the unit in forward and
+                  once more for backward (recomputation reuses the backward gather), reduce-scatter (N-1) S e_r
+      all         sequence-parallel gradient pieces in this rank's shards all-reduced over TP; the tied
+                  embedding's gradient shard over first + last stage; the norm's square sum over the world
+    (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
+    from parallel.zero.partition import shard_layout
+    from parallel.zero.units import chunk_units, meta_chunks
+
+    z, n, t = cfg.zero, layout.dp, layout.tp
+    e_c = DTYPE_BYTES[cfg.precision]
+    e_r = e_c if z.reduce_dtype == "compute" else 4
+    pp_rank, dp_rank, _ = layout.coords(rank)
+    mb = layout.num_microbatches
+    tie = cfg.model.tie_embeddings and layout.pp > 1
+    out: Dict[str, float] = defaultdict(float)
+    for chunk in meta_chunks(cfg, layout, pp_rank):
+        units, uses = chunk_units(chunk)
+        for k, unit in enumerate(units):
+            shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
+            s = shard.shard_size
+            if z.stage == 3:
+                gathers = sum(k in use.units for use in uses) + 1
+                out["dp"] += mb * ((n - 1) * s * (gathers * e_c + e_r))
+            else:
+                out["dp"] += (n - 1) * s * (e_c + e_r)
+            sp = sum(b - a for i, a, b, _ in shard.owned(dp_rank) if unit.params[i].spec.sequence_parallel)
+            out["tp"] += _ring(t) * sp * e_r
+            if tie and (unit.name == "embedding" or any(p.spec.shared_with for p in unit.params)):
+                out["embedding"] += _ring(2) * s * e_r
     out["world"] += _ring(layout.world_size) * 4
     return dict(out)
 

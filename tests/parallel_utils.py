@@ -97,11 +97,11 @@ def train_worker(overrides: List[str], steps: int):
     for step in range(steps):
         engine.mesh.ledger.reset()
         stats = engine.train_step(batch_fn(engine, step))
+        comm = engine.mesh.ledger.snapshot()  # the last step's traffic, before any test-only gathering
         losses.append(stats["loss"])
         norms.append(stats["grad_norm"])
         if step == 0:
             grads = local_grads(engine)
-    comm = engine.mesh.ledger.snapshot()
     released = engine.runner.released_bytes
     val_loss = engine.eval_loss(batch_fn(engine, 1000))  # forward-only schedule on held-out samples
     return {"losses": losses, "grad_norms": norms, "grads": grads, "max_in_flight": engine.runner.max_in_flight,

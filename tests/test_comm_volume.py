@@ -17,16 +17,33 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("name", list(CASES))
-def test_counted_bytes_equal_analytic(name):
-    world, overrides = CASES[name]
-    out = run_world(train_worker, world, overrides, 1)
+# ZeRO in half precision (fp32 layouts are checked by every case of tests/test_zero.py)
+CASES.update({
+    "zero3_bf16_fp32_reduce_tp2_sp_tied_recompute": (
+        4, ["zero.stage=3", "precision=bf16", "zero.reduce_dtype=fp32", "parallel.tp=2",
+            "parallel.sequence_parallel=true", "model.tie_embeddings=true", "model.activation_checkpointing=full"]),
+    "zero2_fp16_whole_tensor_pp2_tied": (4, ["zero.stage=2", "precision=fp16", "zero.partition=whole_tensor",
+                                             "parallel.pp=2", "model.tie_embeddings=true",
+                                             "loss_scale.initial=1024"]),
+    "zero1_bf16_pp2_vp2_dp2": (4, ["zero.stage=1", "precision=bf16", "parallel.pp=2", "parallel.virtual_stages=2",
+                                   "train.global_batch_size=16"]),
+})
+
+
+def assert_counted_equals_analytic(out, overrides, world):
     cfg = tiny_config(*overrides)
-    layout = make_layout(cfg, world, world)
+    layout = make_layout(cfg, world, cfg.parallel.ranks_per_node or world)
     for rank, result in enumerate(out):
         counted = result["comm"]["by_group"]
         analytic = step_bytes(cfg, layout, rank)
         assert set(counted) == {g for g, v in analytic.items() if v > 0}, (rank, counted, analytic)
         for group, n in analytic.items():
             assert abs(counted.get(group, 0) - n) <= 16, f"rank {rank} {group}: counted {counted.get(group)} vs {n}"
-        assert counted["tp" if layout.tp > 1 else "pp"] > 0
+
+
+@pytest.mark.parametrize("name", list(CASES))
+def test_counted_bytes_equal_analytic(name):
+    world, overrides = CASES[name]
+    out = run_world(train_worker, world, overrides, 1)
+    assert_counted_equals_analytic(out, overrides, world)
+    assert out[0]["comm"]["by_group"]["tp" if "parallel.tp=2" in overrides else "pp"] > 0

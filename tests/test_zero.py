@@ -6,6 +6,7 @@ import pytest
 import torch
 
 from tests.dist_harness import run_world
+from tests.test_comm_volume import assert_counted_equals_analytic
 from tests.parallel_utils import assemble, train_worker
 
 STEPS = 5
@@ -68,3 +69,4 @@ def test_zero_matches_stage0_and_single_process(name, stage, kind):
         assert err < 1e-5, f"{key}: gradient differs from one process by {err:.2e} (relative to max)"
     dp_kinds = {k.split("/")[0] for k, v in out[0]["comm"]["by_kind_link"].items() if v}
     assert "reduce_scatter" in dp_kinds and "all_gather" in dp_kinds, "ZeRO must reduce-scatter and gather"
+    assert_counted_equals_analytic(out, overrides + [f"zero.stage={stage}", f"zero.partition={kind}"], world)

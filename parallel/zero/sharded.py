@@ -17,7 +17,9 @@ the N DP ranks owns shard r of it. What each stage keeps between steps:
    stages 1-2, on the last backward of the step, divide by N and launch the
    unit's reduce-scatter asynchronously (overlapping the rest of backward);
    stage 3 does that after every micro-batch's backward, accumulating the
-   reduced shard (one reduce-scatter in flight; its buffer is freed on arrival).
+   reduced shard. Stages 2-3 keep one reduce-scatter in flight and free a unit's
+   full gradient buffer when its shard arrives (with gradient accumulation,
+   stage 2 holds full gradients until the last backward, as stage 1 does).
 2. ``finish_grads``: wait; sum the pieces of sequence-parallel norm/bias gradients
    over TP; sum the tied embedding's shard over first + last stage.
 3. ``clip``: the global norm from shard pieces, each global parameter once
@@ -131,6 +133,7 @@ class Unit:
                 sp.append(piece)
         self.decay, self.norm_ranges, self.sp_ranges = _merge(decay), _merge(norm), _merge(sp)
         self.arrived = 0
+        self.reduced = False  # this step's reduce-scatter launched
         self.gathered = stage < 3
         self.gather_work = None
 
@@ -194,7 +197,7 @@ class ZeroDataParallel:
     # -- gradients ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
         for u in self.units:
-            u.arrived = 0
+            u.arrived, u.reduced = 0, False
             if self.stage == 1:
                 u.grad_full.zero_()
             elif self.stage == 3:
@@ -220,8 +223,9 @@ class ZeroDataParallel:
 
     def _reduce(self, unit: Unit) -> None:
         """Launch the unit's gradient reduce-scatter (mean over DP)."""
-        if self.stage == 3:
+        if self.stage >= 2:
             self._drain()  # one in flight: bounds the full-gradient buffers alive at once
+        unit.reduced = True
         buf = unit.grad_full
         buf.div_(self.mesh.dp.size)
         out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
@@ -239,10 +243,9 @@ class ZeroDataParallel:
         self._launched = []
 
     def finish_grads(self) -> None:
-        pending = {id(u) for u, _, _ in self._launched}
         if self.stage < 3:
             for u in self.units:
-                if id(u) not in pending:
+                if not u.reduced:  # overlap off, or a unit that got no gradient hook
                     self._reduce(u)
         self._drain()
         tp = self.mesh.tp
