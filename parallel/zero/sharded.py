@@ -148,10 +148,6 @@ class Unit:
         off, p = self.layout.offsets[i], self.params[i]
         return self.grad_full[off:off + p.numel()].view(p.shape)
 
-    def drop_grad_full(self) -> None:
-        self.working.sub(self.grad_full.numel() * self.grad_full.element_size())
-        self.grad_full = None
-
 
 class ZeroDataParallel:
     def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
@@ -181,7 +177,7 @@ class ZeroDataParallel:
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
         self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
-        self._launched: List[tuple] = []  # (unit, work, out) of reduce-scatters in flight
+        self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight
         self._factor = 1.0
         self.optimizer_steps = 0
         if self.stage == 3:
@@ -223,23 +219,25 @@ class ZeroDataParallel:
 
     def _reduce(self, unit: Unit) -> None:
         """Launch the unit's gradient reduce-scatter (mean over DP)."""
+        unit.reduced = True
         if self.stage >= 2:
             self._drain()  # one in flight: bounds the full-gradient buffers alive at once
-        unit.reduced = True
         buf = unit.grad_full
         buf.div_(self.mesh.dp.size)
+        if self.stage >= 2:
+            unit.grad_full = None  # the buffer travels with its reduce-scatter and is freed on arrival
         out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
-        self._launched.append((unit, comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True), out))
+        self._launched.append((unit, comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True), out, buf))
 
     def _drain(self) -> None:
-        for unit, work, out in self._launched:
+        for unit, work, out, buf in self._launched:
             work.wait()
             if self.stage == 3:
                 unit.grad_shard.add_(out)
-            if self.stage == 1:
+            elif self.stage == 1:
                 unit.grad_shard.copy_(out)
-            else:
-                unit.drop_grad_full()
+            if self.stage >= 2:
+                self.working.sub(buf.numel() * buf.element_size())
         self._launched = []
 
     def finish_grads(self) -> None:

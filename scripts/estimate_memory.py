@@ -1,0 +1,64 @@
+"""Estimate per-rank memory of a config for ZeRO stages 0-3: model states by component, and activations.
+
+    python scripts/estimate_memory.py --config configs/gpt_7b.yaml --world 32 [key=value ...]
+
+The layout comes from the config (parallel.tp/pp/...) and ``--world``; the
+figures are those of ``training/memory.py``, for the first rank of the first and
+of the last pipeline stage. The trainer logs the measured figures at its first
+step (``model_state_bytes`` in metrics.jsonl), to compare with.
+"""
+from __future__ import annotations
+
+import argparse
+import dataclasses
+import os
+import sys
+
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+
+from parallel.layout import make_layout  # noqa: E402
+from parallel.zero.units import meta_chunks  # noqa: E402
+from training.config import ConfigError, load_config, validate_config  # noqa: E402
+from training.memory import COMPONENTS, activation_bytes, model_state_bytes  # noqa: E402
+
+
+def gib(n: float) -> str:
+    return f"{n / 2**30:9.3f}"
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--config")
+    ap.add_argument("--world", type=int, required=True, help="number of ranks (GPUs)")
+    ap.add_argument("--ranks-per-node", type=int, default=None, help="default: parallel.ranks_per_node or 8")
+    ap.add_argument("overrides", nargs="*")
+    args = ap.parse_args(argv)
+    try:
+        cfg = load_config(args.config, args.overrides)
+        validate_config(cfg)
+        layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
+    except ConfigError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    print(f"{layout.describe()}\nprecision={cfg.precision}, zero.partition={cfg.zero.partition}, "
+          f"zero.reduce_dtype={cfg.zero.reduce_dtype}; GiB per rank")
+    last = layout.rank_of(layout.pp - 1, 0, 0)
+    for rank in sorted({0, last}):
+        pp_rank = layout.coords(rank)[0]
+        phi = sum(p.numel() for c in meta_chunks(cfg, layout, pp_rank) for p in c.parameters())
+        print(f"\nrank {rank} (pipeline stage {pp_rank}): {phi / 1e6:.1f}M parameters held (Phi)")
+        print(f"{'':8} " + " ".join(f"{c:>12}" for c in COMPONENTS) + f" {'total':>10} {'bytes/Phi':>10}")
+        for stage in range(4):
+            c = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
+            est = model_state_bytes(c, layout, rank)
+            total = sum(est.values())
+            print(f"stage {stage}  " + " ".join(f"{gib(est[k]):>12}" for k in COMPONENTS)
+                  + f" {gib(total):>10} {total / phi:10.2f}")
+        act = activation_bytes(cfg, layout, rank)
+        print("activations (seed 004, per rank, micro-batches in flight): "
+              + ", ".join(f"{k} {gib(v).strip()} GiB" for k, v in act.items()))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

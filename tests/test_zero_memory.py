@@ -1,0 +1,75 @@
+"""Model-state bytes each rank really holds match the estimator, and the estimator follows ZeRO's accounting."""
+import pytest
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import batch_fn, build_engine, tiny_config
+
+MODEL = ["model.d_model=128", "model.vocab_size=512", "model.n_layers=4"]
+
+
+def measure_worker(overrides):
+    from model.flops import parameter_count
+    from training.memory import model_state_bytes
+
+    cfg = tiny_config(*MODEL, *overrides)
+    engine = build_engine(cfg)
+    for step in range(2):
+        engine.train_step(batch_fn(engine, step))
+    return {"measured": engine.dp.memory(), "estimated": model_state_bytes(cfg, engine.mesh.layout, engine.mesh.rank),
+            "phi": parameter_count(cfg.model)["total"]}
+
+
+# bytes per parameter in ZeRO's accounting (paper: K = 12 for mixed-precision Adam), N = 4, padding aside
+ZERO_ACCOUNTING = {
+    ("fp32", 0): 16, ("fp32", 1): 4 + 4 + 8 / 4, ("fp32", 2): 4 + 12 / 4, ("fp32", 3): 16 / 4,
+    ("bf16", 0): 16, ("bf16", 1): 2 + 2 + 12 / 4, ("bf16", 2): 2 + 14 / 4, ("bf16", 3): 16 / 4,
+}
+
+
+@pytest.mark.parametrize("precision,stage", list(ZERO_ACCOUNTING))
+def test_measured_model_states_match_estimator_at_dp4(precision, stage):
+    out = run_world(measure_worker, 4, [f"precision={precision}", f"zero.stage={stage}"])
+    for r in out:
+        measured, estimated = sum(r["measured"].values()), sum(r["estimated"].values())
+        assert abs(measured - estimated) <= 0.05 * estimated, (r["measured"], r["estimated"])
+        assert r["measured"]["parameters"] > 0 and r["measured"]["optimizer"] > 0
+    persistent = sum(v for k, v in out[0]["measured"].items() if k != "working_peak")
+    per_param = persistent / out[0]["phi"]
+    assert per_param == pytest.approx(ZERO_ACCOUNTING[precision, stage], rel=0.03), per_param
+    if stage == 3:
+        assert out[0]["measured"]["working_peak"] > 0, "stage 3 must gather (and count) working buffers"
+
+
+def test_whole_tensor_shards_pad_to_the_largest_load_and_the_estimator_knows():
+    out = run_world(measure_worker, 4, ["precision=bf16", "zero.stage=3", "zero.partition=whole_tensor"])
+    flat = run_world(measure_worker, 4, ["precision=bf16", "zero.stage=3"])
+    for r in out:
+        measured, estimated = sum(r["measured"].values()), sum(r["estimated"].values())
+        assert abs(measured - estimated) <= 0.05 * estimated, (r["measured"], r["estimated"])
+    assert out[0]["measured"]["optimizer"] > flat[0]["measured"]["optimizer"]  # whole tensors cannot balance exactly
+
+
+def test_estimate_memory_script_prints_every_stage():
+    import subprocess
+    import sys
+
+    res = subprocess.run([sys.executable, "scripts/estimate_memory.py", "--config", "configs/gpt_7b.yaml",
+                          "--world", "64", "parallel.tp=8", "precision=bf16"],
+                         capture_output=True, text=True, timeout=120)
+    assert res.returncode == 0, res.stderr
+    for stage in range(4):
+        assert f"stage {stage}" in res.stdout
+    assert "activation" in res.stdout
+
+
+def test_config_errors_name_the_zero_key(capsys, tmp_path):
+    import train
+
+    for args, expected in [(["zero.stage=4"], "zero.stage=4"), (["zero.partition=striped"], "zero.partition"),
+                           (["zero.stage=1", "zero.hpz_size=2"], "zero.hpz_size=2 needs zero.stage=3"),
+                           (["zero.stage=2", "zero.quantized_weights=true"], "zero.quantized_weights=True needs"),
+                           (["zero.reduce_dtype=fp8"], "zero.reduce_dtype")]:
+        assert train.main([f"logging.run_dir={tmp_path}", *args]) == 2
+        err = capsys.readouterr().err
+        assert err.startswith("error: ") and expected in err, err
+        assert len(err.strip().splitlines()) <= 2, err
