@@ -70,3 +70,23 @@ def test_zero_matches_stage0_and_single_process(name, stage, kind):
     dp_kinds = {k.split("/")[0] for k, v in out[0]["comm"]["by_kind_link"].items() if v}
     assert "reduce_scatter" in dp_kinds and "all_gather" in dp_kinds, "ZeRO must reduce-scatter and gather"
     assert_counted_equals_analytic(out, overrides + [f"zero.stage={stage}", f"zero.partition={kind}"], world)
+
+
+def test_clipping_on_sharded_gradients_matches_one_process():
+    overrides = ["train.grad_clip=0.3"]  # below every step's norm: every step clips
+    single = run(1, overrides)[0]
+    out = run_world(train_worker, 2, overrides + ["zero.stage=3"], STEPS)
+    assert min(single["grad_norms"]) > 0.3
+    assert_same_training(out, single, "one process")
+
+
+@pytest.mark.parametrize("stage", [2, 3])
+def test_fp16_loss_scaling_skips_the_same_steps_as_stage0(stage):
+    """A scale of 2^24 overflows fp16 gradients: the step is skipped and the scale halved until it fits."""
+    overrides = ["precision=fp16", "loss_scale.initial=16777216", "zero.reduce_dtype=fp32"]
+    stage0 = run(2, overrides)[0]
+    out = run_world(train_worker, 2, overrides + [f"zero.stage={stage}"], STEPS)[0]
+    skipped = [not torch.isfinite(torch.tensor(n)) for n in out["grad_norms"]]
+    assert skipped == [not torch.isfinite(torch.tensor(n)) for n in stage0["grad_norms"]]
+    assert skipped[0] and not skipped[-1], "the test must overflow first and recover later"
+    torch.testing.assert_close(torch.tensor(out["losses"]), torch.tensor(stage0["losses"]), rtol=1e-4, atol=0)

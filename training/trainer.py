@@ -118,6 +118,7 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
     peak = peak_tflops(device, cfg.precision)
     began = time.monotonic()
     window_time, window_steps, last_saved, reason = 0.0, 0, engine.step if start else -1, "max_steps"
+    state_bytes = None
     while engine.step < t.max_steps:
         mesh.ledger.reset()
         t0 = time.perf_counter()
@@ -126,6 +127,11 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
             torch.cuda.synchronize()
         window_time += time.perf_counter() - t0
         window_steps += 1
+        if state_bytes is None:  # measured once, after the first step (optimizer state exists, gathers happened)
+            state_bytes = engine.dp.memory()
+            if main:
+                print(f"[train] model states per rank (rank 0, zero.stage={cfg.zero.stage}): "
+                      + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in state_bytes.items()), flush=True)
         consumed += g
         step = engine.step
         if stats["skipped"] and main:
@@ -139,7 +145,7 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
                         "mfu": tflops / peak if peak else None, "peak_mem_bytes": peak_memory_bytes(device),
                         "comm": mesh.ledger.snapshot(), "step_time_s": window_time / window_steps,
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
-                        "consumed_samples": consumed, "time": time.time()})
+                        "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time()})
             window_time, window_steps = 0.0, 0
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})

@@ -1,0 +1,78 @@
+"""ZeRO stages 0-3 side by side: step time, bytes per step by kind and link, model-state bytes per rank.
+
+    python scripts/bench_zero.py [--world 4] [--ranks-per-node 2] [--precision bf16] [--steps 4] [key=value ...]
+
+Each row trains the same model on local gloo processes (simulated nodes of
+--ranks-per-node ranks). Bytes are rank 0's per step (the paper's per-GPU
+convention), counted by the ledger, checked against ``parallel/volume.py``;
+model states are what rank 0 holds after its first steps (``memory()`` of the DP
+strategy), next to ``training/memory.py``'s estimate.
+"""
+from __future__ import annotations
+
+import argparse
+import statistics
+import sys
+import time
+from pathlib import Path
+
+sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
+
+from parallel.layout import make_layout  # noqa: E402
+from parallel.volume import step_bytes  # noqa: E402
+from scripts.bench_layouts import MODEL, mib  # noqa: E402
+from tests.dist_harness import run_world  # noqa: E402
+from tests.parallel_utils import batch_fn, build_engine, tiny_config  # noqa: E402
+from training.memory import model_state_bytes  # noqa: E402
+
+ROWS = [(0, "flat"), (1, "flat"), (2, "flat"), (3, "flat"), (1, "whole_tensor"), (2, "whole_tensor"),
+        (3, "whole_tensor")]
+KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
+
+
+def worker(overrides, steps):
+    engine = build_engine(tiny_config(*overrides))
+    times = []
+    for step in range(steps):
+        engine.mesh.ledger.reset()
+        t0 = time.perf_counter()
+        engine.train_step(batch_fn(engine, step))
+        times.append(time.perf_counter() - t0)
+    return {"times": times, "comm": engine.mesh.ledger.snapshot(), "memory": engine.dp.memory()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("--world", type=int, default=4)
+    ap.add_argument("--ranks-per-node", type=int, default=2)
+    ap.add_argument("--precision", default="bf16")
+    ap.add_argument("--steps", type=int, default=4)
+    ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. parallel.tp=2")
+    args = ap.parse_args()
+    base = MODEL + [f"precision={args.precision}", f"parallel.ranks_per_node={args.ranks_per_node}"] + args.overrides
+    cfg0 = tiny_config(*base)
+    print(f"model: {' '.join(MODEL)}; {args.precision}; {make_layout(cfg0, args.world, args.ranks_per_node).describe()}")
+    print("rank 0, one step: MiB by kind; intra/inter-node MiB; counted = analytic; model states MiB "
+          "(params + grads + optimizer + working peak) measured / estimated")
+    head = (f"{'stage':>5} {'partition':<12} {'step s':>7} | " + " ".join(f"{k:>14}" for k in KINDS)
+            + f" | {'intra':>8} {'inter':>8} | {'agree':>5} | {'states meas':>11} {'est':>8}")
+    print(head)
+    print("-" * len(head))
+    for stage, kind in ROWS:
+        overrides = base + [f"zero.stage={stage}", f"zero.partition={kind}"]
+        out = run_world(worker, args.world, overrides, args.steps, timeout=900)
+        step_time = statistics.median(max(r["times"][i] for r in out) for i in range(1, args.steps))
+        cfg = tiny_config(*overrides)
+        layout = make_layout(cfg, args.world, args.ranks_per_node)
+        agree = all(abs(sum(r["comm"]["by_group"].values()) - sum(step_bytes(cfg, layout, rank).values())) <= 64
+                    for rank, r in enumerate(out))
+        comm = out[0]["comm"]
+        measured, estimated = sum(out[0]["memory"].values()), sum(model_state_bytes(cfg, layout, 0).values())
+        print(f"{stage:>5} {kind:<12} {step_time:7.3f} | "
+              + " ".join(f"{mib(comm['by_kind'].get(k, 0)):>14}" for k in KINDS)
+              + f" | {mib(comm['by_link']['intra'])} {mib(comm['by_link']['inter'])} | {'yes' if agree else 'NO':>5} |"
+              f" {mib(measured):>11} {mib(estimated)}", flush=True)
+
+
+if __name__ == "__main__":
+    main()
