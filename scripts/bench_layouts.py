@@ -44,7 +44,7 @@ def worker(overrides, steps):
         t0 = time.perf_counter()
         engine.train_step(batch_fn(engine, step))
         times.append(time.perf_counter() - t0)
-    return {"times": times, "comm": engine.mesh.ledger.snapshot()}
+    return {"times": times, "comm": engine.mesh.ledger.snapshot(), "memory": engine.dp.memory()}
 
 
 def mib(n: float) -> str:

@@ -13,32 +13,20 @@ from __future__ import annotations
 import argparse
 import statistics
 import sys
-import time
 from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 from parallel.layout import make_layout  # noqa: E402
 from parallel.volume import step_bytes  # noqa: E402
-from scripts.bench_layouts import MODEL, mib  # noqa: E402
+from scripts.bench_layouts import MODEL, mib, worker  # noqa: E402
 from tests.dist_harness import run_world  # noqa: E402
-from tests.parallel_utils import batch_fn, build_engine, tiny_config  # noqa: E402
+from tests.parallel_utils import tiny_config  # noqa: E402
 from training.memory import model_state_bytes  # noqa: E402
 
 ROWS = [(0, "flat"), (1, "flat"), (2, "flat"), (3, "flat"), (1, "whole_tensor"), (2, "whole_tensor"),
         (3, "whole_tensor")]
 KINDS = ("all_reduce", "all_gather", "reduce_scatter", "p2p")
-
-
-def worker(overrides, steps):
-    engine = build_engine(tiny_config(*overrides))
-    times = []
-    for step in range(steps):
-        engine.mesh.ledger.reset()
-        t0 = time.perf_counter()
-        engine.train_step(batch_fn(engine, step))
-        times.append(time.perf_counter() - t0)
-    return {"times": times, "comm": engine.mesh.ledger.snapshot(), "memory": engine.dp.memory()}
 
 
 def main() -> None:

@@ -125,3 +125,13 @@ def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_di
     if start_from == "fresh":
         ckpt.save(engine.step, engine.step * cfg.train.global_batch_size)
     return losses
+
+
+def assert_grads_match(per_rank: List[Dict[str, tuple]], reference: Dict[str, tuple], rtol: float = 1e-5) -> None:
+    """Gradients assembled from every rank's TP shards equal the single-process ones (relative to their max)."""
+    grads, ref_grads = assemble(per_rank), assemble([reference])
+    assert grads.keys() == ref_grads.keys()
+    for key in grads:
+        scale = ref_grads[key].abs().max().clamp_min(1e-12)
+        err = (grads[key] - ref_grads[key]).abs().max() / scale
+        assert err < rtol, f"{key}: gradient differs from single process by {err:.2e} (relative to max)"
