@@ -43,8 +43,10 @@ def test_stage3_checkpoint_resumes_elsewhere(saved_at_stage3_dp4, reference, wor
     ((1, ["zero.stage=0"]), (4, ["zero.stage=3"])),
     ((4, ["zero.stage=0", "parallel.tp=2", "parallel.pp=2"]), (2, ["zero.stage=3", "zero.partition=whole_tensor"])),
     ((4, ["zero.stage=2", "zero.partition=whole_tensor"]), (8, ["zero.stage=3", "parallel.tp=2", "parallel.pp=2"])),
-], ids=["stage0_single_to_stage3_dp4", "stage0_tp2_pp2_to_stage3_whole_dp2", "stage2_whole_dp4_to_stage3_8ranks"])
-def test_checkpoint_resumes_at_stage3(tmp_path, reference, save, resume):
+    ((4, ["zero.stage=3", "parallel.tp=2", "parallel.sequence_parallel=true"]), (1, ["zero.stage=0"])),
+], ids=["stage0_single_to_stage3_dp4", "stage0_tp2_pp2_to_stage3_whole_dp2", "stage2_whole_dp4_to_stage3_8ranks",
+        "stage3_tp2_dp2_to_stage0_single"])
+def test_checkpoint_moves_between_stages_and_layouts(tmp_path, reference, save, resume):
     run_world(checkpoint_worker, save[0], TIED + save[1], "fresh", SAVE_AT, str(tmp_path))
     assert_continues(run_world(checkpoint_worker, resume[0], TIED + resume[1], "resume", TOTAL, str(tmp_path)),
                      reference)
