@@ -136,7 +136,8 @@ def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, pat
                             f"{[f['path'] for f in new_files]} and their contents differ")
     if not problems:
         return
-    msg = f"checkpoint {path} was trained on other data ({'; '.join(problems)})"
+    msg = (f"checkpoint {path} was trained on other data ({'; '.join(problems)})" if then is not None else
+           f"checkpoint {path} records no data fingerprint (older version): its data cannot be checked")
     if cfg.checkpoint.on_data_change == "error" and then is not None:
         raise CheckpointError(msg + ": its data position would not mean the same samples. Use the original "
                               "data.paths/train.seed, or set checkpoint.on_data_change=warn to continue anyway")
@@ -146,7 +147,7 @@ def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, pat
 
 
 def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, Any]:
-    layout, device, main = mesh.layout, mesh.device, mesh.rank == 0
+    layout, main = mesh.layout, mesh.rank == 0
     engine = Engine(cfg, mesh)
     ckpt = Checkpointer(cfg, str(ckpt_dir), engine)
     ckpt.data_fingerprint = comm.broadcast_object(data_fingerprint(cfg) if main else None, 0, mesh.world)
@@ -158,7 +159,14 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
         print(f"[train] {layout.describe()}\n[train] model: {params['total'] / 1e6:.2f}M parameters "
               f"({params['non_embedding'] / 1e6:.2f}M non-embedding), run dir {run_dir}"
               + (f", resumed from {start} at step {engine.step}" if start else ""), flush=True)
+    try:
+        return _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir)
+    finally:
+        logger.close()
 
+
+def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir) -> Dict[str, Any]:
+    layout, device, main = mesh.layout, mesh.device, mesh.rank == 0
     t, g = cfg.train, cfg.train.global_batch_size
     tokens_per_step = g * cfg.model.seq_len
     flops_token = flops_per_token(cfg.model)
@@ -206,7 +214,6 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
         _save(ckpt, engine.step, consumed, good, streak)
     if main:
         print(f"[train] stopped at step {engine.step} ({reason or 'max_steps'})", flush=True)
-    logger.close()
     return {"step": engine.step, "reason": reason or "max_steps", "run_dir": str(run_dir)}
 
 
