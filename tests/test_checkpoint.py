@@ -109,3 +109,42 @@ def test_saved_tensors_are_the_global_single_process_tensors(tmp_path):
     assert tp1["model.layers.0.attn.qkv.weight"].shape == (3, 64, 64)
     for key in tp1:
         assert torch.equal(tp2[key], tp1[key]), key
+
+
+def one_rank_disk_full_worker(ckpt_dir):
+    """Rank 1's RNG file hits a full disk while saving step 2: every rank must get the error, none may hang."""
+    import errno
+
+    import torch.distributed as dist
+
+    import training.checkpoint as ck
+
+    cfg = tiny_config("checkpoint.keep_last=3")
+    engine = build_engine(cfg)
+    saver = ck.Checkpointer(cfg, ckpt_dir, engine)
+    real = ck.torch.save
+
+    def full(obj, f, *a, **k):
+        if engine.step == 2 and dist.get_rank() == 1 and "rng_rank" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real(obj, f, *a, **k)
+
+    ck.torch.save = full
+    try:
+        for step in range(2):
+            engine.train_step(batch_fn(engine, step))
+            try:
+                saver.save(engine.step, 0)
+            except ck.CheckpointError as e:
+                return str(e)
+    finally:
+        ck.torch.save = real
+    return None
+
+
+def test_full_disk_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path):
+    errors = run_world(one_rank_disk_full_worker, 2, str(tmp_path), timeout=120)
+    for e in errors:
+        assert e is not None and "no space left on device while saving checkpoint step_00000002" in e
+        assert "rng_rank00001.pt" in e and "step_00000001 is kept" in e
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
