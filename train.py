@@ -13,6 +13,16 @@ import sys
 
 
 def main(argv=None) -> int:
+    from training.stop import StopFlag
+
+    stop = StopFlag()  # before anything slow: a SIGTERM/SIGUSR1 during start-up must stop cleanly, not kill
+    try:
+        return _main(argv, stop)
+    finally:
+        stop.restore()
+
+
+def _main(argv, stop) -> int:
     from training.config import ConfigError, describe, load_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
@@ -27,20 +37,56 @@ def main(argv=None) -> int:
         return 0
 
     from data.indexed import DataError
+    from parallel.comm import CommError
     from parallel.launch import LaunchError
     from training.checkpoint import CheckpointError
-    from training.trainer import run
+    from training.run_lock import RunLockError
+    from training.trainer import DivergedError, run
 
     try:
+        if args.config:
+            check_config_file(args.config)
         cfg = load_config(args.config, args.overrides)
         name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "tiny"
-        run(cfg, config_name=name)
-    except (ConfigError, DataError, CheckpointError, LaunchError) as e:
+        run(cfg, config_name=name, stop=stop)
+    except (ConfigError, DataError, CheckpointError, LaunchError, RunLockError, DivergedError, CommError) as e:
         rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
         if rank == "0":
             print(f"error: {e}", file=sys.stderr, flush=True)
         return 2
     return 0
+
+
+def check_config_file(path: str) -> None:
+    """The --config file must be a readable UTF-8 YAML mapping; anything else is one ConfigError naming it."""
+    import yaml
+
+    from training.config import ConfigError
+
+    if os.path.isdir(path):
+        raise ConfigError(f"--config {path} is a directory, not a YAML file")
+    if not os.path.exists(path):
+        return  # load_config names it: "config file not found"
+    try:
+        with open(path, "rb") as f:
+            raw = f.read()
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ConfigError(f"--config {path} is not a text YAML file (byte {e.start} is not UTF-8)") from None
+    except OSError as e:
+        raise ConfigError(f"--config {path} cannot be read: {e.strerror}") from None
+    if "\x00" in text:
+        raise ConfigError(f"--config {path} is a binary file, not YAML")
+    try:
+        doc = yaml.safe_load(text)
+    except yaml.YAMLError as e:
+        mark = getattr(e, "problem_mark", None)
+        where = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = getattr(e, "problem", None) or str(e).splitlines()[0]
+        raise ConfigError(f"--config {path} is not valid YAML{where}: {problem}") from None
+    if doc is not None and not isinstance(doc, dict):
+        raise ConfigError(f"--config {path} must be a mapping of sections (model:, train:, ...), "
+                          f"not a {type(doc).__name__}")
 
 
 if __name__ == "__main__":

@@ -59,7 +59,13 @@ class GPTDataset:
     """Infinite, indexable stream of ``seq_len + 1``-token samples over some documents."""
 
     def __init__(
-        self, indexed: IndexedDataset, doc_ids: np.ndarray, seq_len: int, seed: int, name: str
+        self,
+        indexed: IndexedDataset,
+        doc_ids: np.ndarray,
+        seq_len: int,
+        seed: int,
+        name: str,
+        vocab_size: int | None = None,
     ) -> None:
         if seq_len < 1:
             raise DataError(f"dataset {name!r}: seq_len must be positive, got {seq_len}")
@@ -68,11 +74,13 @@ class GPTDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.name = name
+        self.vocab_size = vocab_size
+        """When set, every sample is checked against it (corrupted bytes give an error naming the file)."""
         self.tokens_per_epoch = int(indexed.sizes[self.doc_ids].sum(dtype=np.int64))
         if self.tokens_per_epoch < seq_len + 1:
             raise DataError(
-                f"dataset {name!r}: {self.tokens_per_epoch} tokens in {len(self.doc_ids)} "
-                f"documents, need at least seq_len + 1 = {seq_len + 1}"
+                f"dataset {name!r}: {self.tokens_per_epoch} tokens in {len(self.doc_ids)} documents, "
+                f"need at least seq_len + 1 = {seq_len + 1} ({indexed.prefix}.bin)"
             )
         self.samples_per_epoch = (self.tokens_per_epoch - 1) // seq_len
         self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
@@ -111,7 +119,13 @@ class GPTDataset:
             lo = max(start, doc_start) - doc_start
             hi = min(end, int(ep.starts[d + 1])) - doc_start
             pieces.append(self.indexed.get(int(ep.docs[d]), lo, hi - lo))
-        return np.concatenate(pieces).astype(np.int64)
+        out = np.concatenate(pieces).astype(np.int64)
+        if self.vocab_size is not None and out.max() >= self.vocab_size:
+            raise DataError(
+                f"{self.indexed.prefix}.bin: sample {index} holds token id {int(out.max())}, but the "
+                f"vocabulary has only {self.vocab_size} ids (corrupted file?)"
+            )
+        return out
 
 
 def _normalized(weights: Sequence[float]) -> np.ndarray:
@@ -211,6 +225,7 @@ def build_datasets(
     split: Sequence[float],
     seq_len: int,
     seed: int,
+    vocab_size: int | None = None,
 ) -> tuple[Sampleable, Sampleable | None]:
     """Train and valid sample streams over the ``.bin/.idx`` prefixes ``paths``.
 
@@ -218,7 +233,9 @@ def build_datasets(
     blended with ``weights`` (default: proportional to their tokens in the
     split).  A dataset's shuffling is seeded by ``seed`` and its name
     ``"<basename of prefix>/<train|valid>"``, so moving the files does not
-    change the samples.  Valid is ``None`` when its fraction is 0.
+    change the samples.  Valid is ``None`` when its fraction is 0.  With
+    ``vocab_size``, ids at or above it are refused: on opening (from the index's
+    largest id) and in every sample read (corrupted bytes), naming the file.
     """
     if not paths:
         raise DataError("no data paths given")
@@ -227,6 +244,11 @@ def build_datasets(
             raise DataError(f"{len(paths)} data paths but {len(weights)} weights")
         _normalized(weights)
     indexed = [IndexedDataset(path) for path in paths]
+    for path, d in zip(paths, indexed, strict=True):
+        if d.num_docs == 0:
+            raise DataError(f"{path}.idx: the dataset is empty (0 documents)")
+        if vocab_size is not None:
+            d.check_vocab(vocab_size)
     dtypes = {path: str(d.dtype) for path, d in zip(paths, indexed, strict=True)}
     if len(set(dtypes.values())) > 1:
         raise DataError(f"blended datasets must share a token dtype (vocabulary), got {dtypes}")
@@ -234,7 +256,9 @@ def build_datasets(
 
     def stream(part: int, part_name: str) -> Sampleable:
         datasets = [
-            GPTDataset(d, doc_ids[part], seq_len, seed, f"{os.path.basename(path)}/{part_name}")
+            GPTDataset(
+                d, doc_ids[part], seq_len, seed, f"{os.path.basename(path)}/{part_name}", vocab_size
+            )
             for path, d, doc_ids in zip(paths, indexed, splits, strict=True)
         ]
         return _combine(datasets, weights)

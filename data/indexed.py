@@ -5,13 +5,18 @@
 otherwise.  ``<prefix>.idx`` describes the documents (all little-endian)::
 
     magic         8 bytes   b"GPTIDX\\x00\\x00"
-    version       uint64    1
+    version       uint64    2
     dtype code    uint8     1 = uint16, 2 = int32
     padding       7 bytes   zero
     num_docs      uint64
     total_tokens  uint64
+    max_token_id  int64     largest token id in .bin (-1 when empty); version 2 only
     sizes         int32[num_docs]   document lengths in tokens (EOD included)
     offsets       int64[num_docs]   token offset of each document in .bin
+
+Version 1 files (no ``max_token_id``) are still read; their largest id is then found
+by scanning the ``.bin`` once, when a vocabulary check asks for it (slow for big
+files: re-run preprocessing to upgrade them).
 
 :class:`IndexedDatasetWriter` builds a pair and only moves it under its final
 names once complete; :class:`IndexedDataset` opens a pair with ``np.memmap``
@@ -21,6 +26,7 @@ and refuses any pair that is not self-consistent.
 from __future__ import annotations
 
 import array
+import hashlib
 import os
 import struct
 import uuid
@@ -30,8 +36,10 @@ from types import TracebackType
 import numpy as np
 
 MAGIC = b"GPTIDX\x00\x00"
-VERSION = 1
-_HEADER = struct.Struct("<8sQB7xQQ")  # magic, version, dtype code, pad, num_docs, total_tokens
+VERSION = 2
+_HEADER_V1 = struct.Struct("<8sQB7xQQ")  # magic, version, dtype code, pad, num_docs, total_tokens
+_HEADER = struct.Struct("<8sQB7xQQq")  # ... and max_token_id (version 2)
+_HEADERS = {1: _HEADER_V1, 2: _HEADER}
 _DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
 _SIZE_DTYPE = np.dtype("<i4")
 _OFFSET_DTYPE = np.dtype("<i8")
@@ -63,6 +71,7 @@ class IndexedDatasetWriter:
         self._dtype_code = _dtype_code_for(vocab_size)
         self._dtype = _DTYPES[self._dtype_code]
         self._sizes = array.array("q")
+        self._max_id = -1
         os.makedirs(os.path.dirname(os.path.abspath(prefix)), exist_ok=True)
         unique = uuid.uuid4().hex[:12]
         self._tmp_bin = f"{prefix}.{unique}.bin.tmp"
@@ -86,6 +95,8 @@ class IndexedDatasetWriter:
             raise DataError(f"{self.prefix}: document of {tokens.size} tokens is too long")
         self._bin.write(tokens.astype(self._dtype).tobytes())
         self._sizes.append(tokens.size)
+        if tokens.size:
+            self._max_id = max(self._max_id, int(tokens.max()))
 
     def finalize(self) -> None:
         """Write the index and move both files under their final names."""
@@ -95,7 +106,7 @@ class IndexedDatasetWriter:
         self._bin.close()
         sizes = np.array(self._sizes, dtype=np.int64)
         offsets = (np.cumsum(sizes) - sizes).astype(_OFFSET_DTYPE)
-        header = _HEADER.pack(MAGIC, VERSION, self._dtype_code, len(sizes), int(sizes.sum()))
+        header = _HEADER.pack(MAGIC, VERSION, self._dtype_code, len(sizes), int(sizes.sum()), self._max_id)
         try:
             with open(self._tmp_idx, "wb") as f:
                 f.write(header + sizes.astype(_SIZE_DTYPE).tobytes() + offsets.tobytes())
@@ -150,26 +161,31 @@ class IndexedDataset:
                 raise DataError(f"{path}: file not found")
 
         idx_bytes = os.path.getsize(idx_path)
-        if idx_bytes < _HEADER.size:
+        if idx_bytes < _HEADER_V1.size:
             raise DataError(
-                f"{idx_path}: truncated header ({idx_bytes} bytes, need {_HEADER.size})"
+                f"{idx_path}: truncated header ({idx_bytes} bytes, need {_HEADER_V1.size})"
             )
         idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        magic, version, code, num_docs, total_tokens = _HEADER.unpack(idx[: _HEADER.size].tobytes())
+        magic, version = struct.unpack("<8sQ", idx[:16].tobytes())
         if magic != MAGIC:
             raise DataError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r}")
-        if version != VERSION:
-            raise DataError(f"{idx_path}: unsupported version {version} (supported: {VERSION})")
+        if version not in _HEADERS:
+            raise DataError(f"{idx_path}: unsupported version {version} (supported: {sorted(_HEADERS)})")
+        header = _HEADERS[version]
+        if idx_bytes < header.size:
+            raise DataError(f"{idx_path}: truncated header ({idx_bytes} bytes, need {header.size})")
+        _, _, code, num_docs, total_tokens, *rest = header.unpack(idx[: header.size].tobytes())
+        self._max_token_id: int | None = rest[0] if rest else None  # version 1: scanned when asked
         if code not in _DTYPES:
             raise DataError(f"{idx_path}: unknown dtype code {code} (known: {sorted(_DTYPES)})")
-        expected = _HEADER.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
+        expected = header.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
         if idx_bytes != expected:
             raise DataError(
                 f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_docs} documents"
             )
 
-        sizes_end = _HEADER.size + num_docs * _SIZE_DTYPE.itemsize
-        self.sizes: np.ndarray = idx[_HEADER.size : sizes_end].view(_SIZE_DTYPE)
+        sizes_end = header.size + num_docs * _SIZE_DTYPE.itemsize
+        self.sizes: np.ndarray = idx[header.size : sizes_end].view(_SIZE_DTYPE)
         self.offsets: np.ndarray = idx[sizes_end:].view(_OFFSET_DTYPE)
         self.dtype: np.dtype = _DTYPES[code]
         self.total_tokens: int = total_tokens
@@ -207,6 +223,25 @@ class IndexedDataset:
             )
 
     @property
+    def max_token_id(self) -> int:
+        """Largest token id in the ``.bin`` (-1 if empty): from the index, or scanned once for version 1."""
+        if self._max_token_id is None:
+            chunk = 1 << 24
+            self._max_token_id = max(
+                (int(self.tokens[i : i + chunk].max()) for i in range(0, len(self.tokens), chunk)),
+                default=-1,
+            )
+        return self._max_token_id
+
+    def check_vocab(self, vocab_size: int) -> None:
+        """Refuse ids the model cannot embed (data built with another tokenizer, or corrupted)."""
+        if self.max_token_id >= vocab_size:
+            raise DataError(
+                f"{self.prefix}.bin holds token id {self.max_token_id}, but the vocabulary has only "
+                f"{vocab_size} ids (data built with another tokenizer, or a corrupted file)"
+            )
+
+    @property
     def num_docs(self) -> int:
         """Number of documents."""
         return len(self.sizes)
@@ -232,3 +267,16 @@ class IndexedDataset:
             )
         start = int(self.offsets[i]) + offset
         return self.tokens[start : start + length]
+
+
+def fingerprint(prefix: str) -> dict[str, object]:
+    """Identity of a ``.bin``/``.idx`` pair that survives moving it: the index's sha256 and the data size.
+
+    Cheap next to the data itself (the index is ~12 bytes per document) and different for
+    any other tokenization or document set.
+    """
+    h = hashlib.sha256()
+    with open(prefix + ".idx", "rb") as f:
+        for block in iter(lambda: f.read(1 << 22), b""):
+            h.update(block)
+    return {"idx_sha256": h.hexdigest(), "bin_bytes": os.path.getsize(prefix + ".bin")}

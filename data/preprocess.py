@@ -149,10 +149,15 @@ def preprocess(
             documents = _tokenized_documents(
                 path, tokenizer_path, text_key, workers, batch_size, append_eod, cache_dir
             )
-            for ids in documents:
+            for row, ids in enumerate(documents):
                 if ids.size == 0:
                     stats["empty_docs"] += 1
                     continue
+                if ids.min() < 0 or ids.max() >= tokenizer.vocab_size:  # nothing out of range reaches the .bin
+                    raise DataError(
+                        f"{path}: document {row} was tokenized to id {int(ids.max())} (or {int(ids.min())}), "
+                        f"outside the vocabulary [0, {tokenizer.vocab_size}) of {tokenizer_path}"
+                    )
                 writer.add_document(ids)
                 stats["docs"] += 1
                 stats["tokens"] += ids.size

@@ -18,12 +18,20 @@ Byte convention, per rank, for a group of g ranks and a tensor of n bytes
 
 Collectives over a group of one rank are skipped and cost nothing. FP8 tensors
 travel as uint8 views (gloo and NCCL have no float8 type).
+
+A failed or timed-out operation raises :class:`CommError` (a RuntimeError) naming the
+operation, the group and, where it can be known, the rank that did not arrive: the peer
+of a p2p transfer; for a collective that timed out, the members that did not report
+reaching the same collective (each member counts its collectives per group and, on a
+timeout, checks in with the launcher's key-value store for ``ABSENT_GRACE_S`` seconds).
 """
 from __future__ import annotations
 
+import re
+import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -71,10 +79,90 @@ class Group:
     link: str
     """'intra' if all members share a node, else 'inter'."""
     ledger: Ledger
+    collectives: int = field(default=0, repr=False, compare=False)
+    """Collectives issued on this group so far (the same count on every member): names a stuck one."""
 
     @property
     def size(self) -> int:
         return len(self.ranks)
+
+
+ABSENT_GRACE_S = 10.0
+"""After a collective times out, how long a member waits for the others to report reaching it."""
+
+
+class CommError(RuntimeError):
+    """A collective or p2p transfer failed or timed out; the message names the operation, group and culprit."""
+
+
+def _reason(e: BaseException) -> str:
+    """The backend's message without gloo's ``[source.cc:NN]`` prefix, on one line."""
+    text = " ".join(str(e).split())
+    return re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text) or e.__class__.__name__
+
+
+def _absent(group: Group, seq: int) -> Optional[List[int]]:
+    """Members that did not report reaching collective ``seq`` of ``group`` (via the store), or None if unknown."""
+    try:
+        store = dist.distributed_c10d._get_default_store()
+        prefix = f"comm_timeout/{group.name}/{'-'.join(map(str, group.ranks))}/{seq}/"
+        me = group.ranks[group.rank]
+        store.set(prefix + str(me), "1")
+        others = [r for r in group.ranks if r != me]
+        deadline = time.monotonic() + ABSENT_GRACE_S
+        while True:
+            missing = [r for r in others if not store.check([prefix + str(r)])]
+            if not missing or time.monotonic() > deadline:
+                return missing
+            time.sleep(0.1)
+    except Exception:  # noqa: BLE001 - the store may be gone with a dead rank: then it is just not known
+        return None
+
+
+def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: Optional[int]) -> CommError:
+    reason = _reason(e)
+    what = f"{kind} on group {group.name} (ranks {group.ranks})"
+    if peer is not None:
+        who = f"; peer rank {group.ranks[peer]}"
+    elif seq is not None and "timed out" in reason.lower():
+        absent = _absent(group, seq)
+        who = (f"; rank(s) {absent} did not arrive (collective #{seq} of this group)" if absent
+               else f"; every member reached it (collective #{seq})" if absent == [] else "")
+    else:
+        who = ""
+    return CommError(f"{what} failed on rank {group.ranks[group.rank]}: {reason}{who}")
+
+
+def _guarded(kind: str, group: Group, call: Callable[[], Any], collective: bool = True, peer: Optional[int] = None):
+    """Run one backend call; turn its failure into a CommError (async handles are wrapped likewise)."""
+    seq = None
+    if collective:
+        seq = group.collectives
+        group.collectives += 1
+    try:
+        work = call()
+    except RuntimeError as e:  # DistBackendError, gloo/NCCL errors are RuntimeErrors
+        raise _error(kind, group, e, seq, peer) from e
+    return _Work(work, kind, group, seq, peer) if work is not None else None
+
+
+class _Work:
+    """An async handle whose wait() reports a failure as CommError."""
+
+    def __init__(self, work, kind: str, group: Group, seq: Optional[int], peer: Optional[int]):
+        self.work, self.kind, self.group, self.seq, self.peer = work, kind, group, seq, peer
+
+    def wait(self, timeout=None) -> bool:
+        try:
+            return self.work.wait() if timeout is None else self.work.wait(timeout)
+        except RuntimeError as e:
+            raise _error(self.kind, self.group, e, self.seq, self.peer) from e
+
+    def is_completed(self) -> bool:
+        return self.work.is_completed()
+
+    def __getattr__(self, name: str):
+        return getattr(self.work, name)
 
 
 class _Done:
@@ -106,7 +194,8 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
     if group.size == 1:
         return _Done() if async_op else None
     group.ledger.record("all_reduce", group, 2 * (group.size - 1) / group.size * _nbytes(t))
-    return _handle(dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op), async_op)
+    return _handle(_guarded("all_reduce", group,
+                            lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op)), async_op)
 
 
 def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -115,7 +204,8 @@ def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         out.copy_(inp)
         return _Done() if async_op else None
     group.ledger.record("all_gather", group, (group.size - 1) * _nbytes(inp))
-    return _handle(dist.all_gather_single(_wire(out), _wire(inp), group=group.pg, async_op=async_op), async_op)
+    return _handle(_guarded("all_gather", group, lambda: dist.all_gather_single(
+        _wire(out), _wire(inp), group=group.pg, async_op=async_op)), async_op)
 
 
 def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -124,7 +214,8 @@ def reduce_scatter(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op:
         out.copy_(inp)
         return _Done() if async_op else None
     group.ledger.record("reduce_scatter", group, (group.size - 1) / group.size * _nbytes(inp))
-    return _handle(dist.reduce_scatter_single(out, inp, group=group.pg, async_op=async_op), async_op)
+    return _handle(_guarded("reduce_scatter", group, lambda: dist.reduce_scatter_single(
+        out, inp, group=group.pg, async_op=async_op)), async_op)
 
 
 def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
@@ -133,7 +224,8 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         out.copy_(inp)
         return _Done() if async_op else None
     group.ledger.record("all_to_all", group, (group.size - 1) / group.size * _nbytes(inp))
-    return _handle(dist.all_to_all_single(_wire(out), _wire(inp), group=group.pg, async_op=async_op), async_op)
+    return _handle(_guarded("all_to_all", group, lambda: dist.all_to_all_single(
+        _wire(out), _wire(inp), group=group.pg, async_op=async_op)), async_op)
 
 
 def broadcast(t: torch.Tensor, src: int, group: Group) -> None:
@@ -142,18 +234,20 @@ def broadcast(t: torch.Tensor, src: int, group: Group) -> None:
         return
     if group.rank == src:
         group.ledger.record("broadcast", group, _nbytes(t))
-    dist.broadcast(_wire(t), group=group.pg, group_src=src)
+    _guarded("broadcast", group, lambda: dist.broadcast(_wire(t), group=group.pg, group_src=src))
 
 
 def isend(t: torch.Tensor, dst: int, group: Group, tag: int = 0):
     """Non-blocking send to group rank ``dst``; returns a handle with wait()/is_completed()."""
     group.ledger.record("p2p", group, _nbytes(t))
-    return dist.isend(_wire(t), group=group.pg, group_dst=dst, tag=tag)
+    return _guarded("p2p send", group, lambda: dist.isend(_wire(t), group=group.pg, group_dst=dst, tag=tag),
+                    collective=False, peer=dst)
 
 
 def irecv(t: torch.Tensor, src: int, group: Group, tag: int = 0):
     """Non-blocking receive from group rank ``src`` into ``t``."""
-    return dist.irecv(_wire(t), group=group.pg, group_src=src, tag=tag)
+    return _guarded("p2p recv", group, lambda: dist.irecv(_wire(t), group=group.pg, group_src=src, tag=tag),
+                    collective=False, peer=src)
 
 
 def broadcast_object(obj: Any, src: int, group: Group) -> Any:
@@ -161,7 +255,7 @@ def broadcast_object(obj: Any, src: int, group: Group) -> Any:
     if group.size == 1:
         return obj
     box = [obj]
-    dist.broadcast_object_list(box, group=group.pg, group_src=src)
+    _guarded("broadcast_object", group, lambda: dist.broadcast_object_list(box, group=group.pg, group_src=src))
     return box[0]
 
 
@@ -170,10 +264,10 @@ def all_gather_object(obj: Any, group: Group) -> List[Any]:
     if group.size == 1:
         return [obj]
     out: List[Any] = [None] * group.size
-    dist.all_gather_object(out, obj, group=group.pg)
+    _guarded("all_gather_object", group, lambda: dist.all_gather_object(out, obj, group=group.pg))
     return out
 
 
 def barrier(group: Group) -> None:
     if group.size > 1:
-        dist.barrier(group=group.pg)
+        _guarded("barrier", group, lambda: dist.barrier(group=group.pg))

@@ -36,7 +36,9 @@ def test_resume_in_another_layout_continues_the_curve(saved_at_tp2_pp2, world, l
 
 
 def save_steps_worker(ckpt_dir, steps, keep_last, fail_save_at):
-    """Save after every step; optionally make one save die mid-write (after the tensors are written)."""
+    """Save after every step; optionally make one save fail mid-write (a full disk after the tensors are written)."""
+    import errno
+
     import training.checkpoint as ck
 
     cfg = tiny_config(f"checkpoint.keep_last={keep_last}")
@@ -46,19 +48,23 @@ def save_steps_worker(ckpt_dir, steps, keep_last, fail_save_at):
         engine.train_step(batch_fn(engine, step))
         if engine.step == fail_save_at:
             real = ck._write_json
-            ck._write_json = lambda path, obj: (_ for _ in ()).throw(OSError("disk full (simulated)"))
+
+            def full_disk(path, obj):
+                raise OSError(errno.ENOSPC, "No space left on device", str(path))
+
+            ck._write_json = full_disk
             try:
-                with pytest.raises(OSError):
+                with pytest.raises(ck.CheckpointError) as info:
                     saver.save(engine.step, 0)
             finally:
                 ck._write_json = real
-            return sorted(p.name for p in Path(ckpt_dir).iterdir())
+            return sorted(p.name for p in Path(ckpt_dir).iterdir()), str(info.value)
         saver.save(engine.step, 0)
-    return sorted(p.name for p in Path(ckpt_dir).iterdir())
+    return sorted(p.name for p in Path(ckpt_dir).iterdir()), None
 
 
 def test_keeps_the_newest_k_and_moves_latest_last(tmp_path):
-    names = run_world(save_steps_worker, 1, str(tmp_path), 5, 2, -1)[0]
+    names, _ = run_world(save_steps_worker, 1, str(tmp_path), 5, 2, -1)[0]
     assert names == ["latest", "step_00000004", "step_00000005"]
     assert (tmp_path / "latest").read_text().strip() == "step_00000005"
     manifest = json.loads((tmp_path / "step_00000005" / "manifest.json").read_text())["files"]
@@ -66,12 +72,13 @@ def test_keeps_the_newest_k_and_moves_latest_last(tmp_path):
     assert set(manifest) == on_disk
 
 
-def test_failed_save_leaves_previous_checkpoints_intact(tmp_path):
-    names = run_world(save_steps_worker, 1, str(tmp_path), 5, 3, 3)[0]
-    # step 3's save died before publishing: only its hidden temporary directory exists
-    assert names == [".step_00000003.tmp", "latest", "step_00000001", "step_00000002"]
+def test_full_disk_during_save_removes_the_partial_save_and_keeps_the_previous(tmp_path):
+    names, error = run_world(save_steps_worker, 1, str(tmp_path), 5, 3, 3)[0]
+    # step 3's save failed before publishing: its temporary directory is gone, steps 1-2 are untouched
+    assert names == ["latest", "step_00000001", "step_00000002"]
+    assert "no space left on device while saving checkpoint step_00000003" in error
+    assert "meta.json" in error and f"previous checkpoint {tmp_path / 'step_00000002'} is kept" in error
     assert (tmp_path / "latest").read_text().strip() == "step_00000002"
-    assert not (tmp_path / "step_00000003").exists()
     loaded = run_world(resume_step_worker, 1, str(tmp_path))[0]
     assert loaded == 2
 
@@ -102,3 +109,42 @@ def test_saved_tensors_are_the_global_single_process_tensors(tmp_path):
     assert tp1["model.layers.0.attn.qkv.weight"].shape == (3, 64, 64)
     for key in tp1:
         assert torch.equal(tp2[key], tp1[key]), key
+
+
+def one_rank_disk_full_worker(ckpt_dir):
+    """Rank 1's RNG file hits a full disk while saving step 2: every rank must get the error, none may hang."""
+    import errno
+
+    import torch.distributed as dist
+
+    import training.checkpoint as ck
+
+    cfg = tiny_config("checkpoint.keep_last=3")
+    engine = build_engine(cfg)
+    saver = ck.Checkpointer(cfg, ckpt_dir, engine)
+    real = ck.torch.save
+
+    def full(obj, f, *a, **k):
+        if engine.step == 2 and dist.get_rank() == 1 and "rng_rank" in str(f):
+            raise OSError(errno.ENOSPC, "No space left on device", str(f))
+        return real(obj, f, *a, **k)
+
+    ck.torch.save = full
+    try:
+        for step in range(2):
+            engine.train_step(batch_fn(engine, step))
+            try:
+                saver.save(engine.step, 0)
+            except ck.CheckpointError as e:
+                return str(e)
+    finally:
+        ck.torch.save = real
+    return None
+
+
+def test_full_disk_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path):
+    errors = run_world(one_rank_disk_full_worker, 2, str(tmp_path), timeout=120)
+    for e in errors:
+        assert e is not None and "no space left on device while saving checkpoint step_00000002" in e
+        assert "rng_rank00001.pt" in e and "step_00000001 is kept" in e
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]

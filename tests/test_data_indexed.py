@@ -48,21 +48,49 @@ def test_file_layout_matches_the_spec(tmp_path: Path) -> None:
     prefix = write(tmp_path / "d", docs, 500)
     idx = Path(prefix + ".idx").read_bytes()
     magic, version, code = struct.unpack_from("<8sQB", idx, 0)
-    assert (magic, version, code) == (b"GPTIDX\x00\x00", 1, 1)
+    assert (magic, version, code) == (b"GPTIDX\x00\x00", 2, 1)
     assert idx[17:24] == bytes(7)
-    num_docs, total = struct.unpack_from("<QQ", idx, 24)
+    num_docs, total, max_id = struct.unpack_from("<QQq", idx, 24)
     sizes = [len(d) for d in docs]
-    assert (num_docs, total) == (7, sum(sizes))
-    assert list(struct.unpack_from("<7i", idx, 40)) == sizes
-    assert list(struct.unpack_from("<7q", idx, 40 + 28)) == [sum(sizes[:i]) for i in range(7)]
-    assert len(idx) == 40 + 7 * 12
+    assert (num_docs, total, max_id) == (7, sum(sizes), max(max(d) for d in docs))
+    assert list(struct.unpack_from("<7i", idx, 48)) == sizes
+    assert list(struct.unpack_from("<7q", idx, 48 + 28)) == [sum(sizes[:i]) for i in range(7)]
+    assert len(idx) == 48 + 7 * 12
     flat = [t for d in docs for t in d]
     assert Path(prefix + ".bin").read_bytes() == struct.pack(f"<{len(flat)}H", *flat)
 
 
 def test_empty_dataset(tmp_path: Path) -> None:
     ds = IndexedDataset(write(tmp_path / "e", [], 100))
-    assert (len(ds), ds.total_tokens, ds.tokens.size) == (0, 0, 0)
+    assert (len(ds), ds.total_tokens, ds.tokens.size, ds.max_token_id) == (0, 0, 0, -1)
+
+
+def as_version_1(prefix: str) -> None:
+    """Rewrite a pair's index in the version 1 layout (no max_token_id), as older preprocessing wrote it."""
+    idx = Path(prefix + ".idx").read_bytes()
+    magic, _, code, num_docs, total, _ = struct.unpack_from("<8sQB7xQQq", idx, 0)
+    Path(prefix + ".idx").write_bytes(struct.pack("<8sQB7xQQ", magic, 1, code, num_docs, total) + idx[48:])
+
+
+def test_version_1_index_still_reads_and_its_ids_are_scanned(tmp_path: Path) -> None:
+    docs = random_docs(5, 300)
+    prefix = write(tmp_path / "d", docs, 300)
+    as_version_1(prefix)
+    ds = IndexedDataset(prefix)
+    assert [ds.doc(i).tolist() for i in range(len(docs))] == docs
+    assert ds.max_token_id == max(max(d) for d in docs)
+
+
+@pytest.mark.parametrize("version", [1, 2])
+def test_token_ids_beyond_the_vocabulary_are_refused_naming_the_file(tmp_path: Path, version: int) -> None:
+    docs = [[1, 2, 3], [4, 999, 5]]
+    prefix = write(tmp_path / "d", docs, 1000)
+    if version == 1:
+        as_version_1(prefix)
+    ds = IndexedDataset(prefix)
+    ds.check_vocab(1000)
+    with pytest.raises(DataError, match=r"d\.bin holds token id 999, but the vocabulary has only 500 ids"):
+        ds.check_vocab(500)
 
 
 def patch(path: Path, offset: int, data: bytes) -> None:
@@ -89,7 +117,7 @@ def bad_magic(prefix: Path) -> Path:
 
 
 def bad_version(prefix: Path) -> Path:
-    patch(prefix.with_suffix(".idx"), 8, struct.pack("<Q", 2))
+    patch(prefix.with_suffix(".idx"), 8, struct.pack("<Q", 3))
     return prefix.with_suffix(".idx")
 
 
@@ -105,7 +133,7 @@ def bad_total(prefix: Path) -> Path:
 
 def bad_offset(prefix: Path) -> Path:
     num_docs = struct.unpack_from("<Q", prefix.with_suffix(".idx").read_bytes(), 24)[0]
-    patch(prefix.with_suffix(".idx"), 40 + 4 * num_docs + 8, struct.pack("<q", 1))
+    patch(prefix.with_suffix(".idx"), 48 + 4 * num_docs + 8, struct.pack("<q", 1))
     return prefix.with_suffix(".idx")
 
 
@@ -126,7 +154,7 @@ def missing_bin(prefix: Path) -> Path:
         (truncate_bin, "truncated file or mismatched pair"),
         (truncate_idx, "expected"),
         (bad_magic, "bad magic"),
-        (bad_version, "unsupported version 2"),
+        (bad_version, "unsupported version 3"),
         (bad_dtype, "unknown dtype code 7"),
         (bad_total, "total_tokens=1000000"),
         (bad_offset, "offset of document 1"),

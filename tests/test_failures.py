@@ -30,6 +30,11 @@ def fails_with(capsys, *args):
     (["model.vocab_size=1000"], "model.vocab_size is 1000"),
     (["data.paths=[/nonexistent/corpus]"], "/nonexistent/corpus"),
     (["data.tokenizer=/nonexistent/tok.model"], "/nonexistent/tok.model"),
+    (["train.lr=inf"], "train.lr=inf must be a finite number"),
+    (["train.lr=nan"], "train.lr=nan must be a finite number"),
+    (["parallel.timeout_s=0"], "parallel.timeout_s=0.0 must be a finite number of seconds > 0"),
+    (["parallel.timeout_s=-5"], "parallel.timeout_s=-5.0 must be"),
+    (["checkpoint.on_data_change=ignore"], "checkpoint.on_data_change='ignore'"),
 ])
 def test_bad_config_or_data_is_named(capsys, tmp_path, args, expected):
     assert expected in fails_with(capsys, f"logging.run_dir={tmp_path}", *args)
@@ -37,6 +42,24 @@ def test_bad_config_or_data_is_named(capsys, tmp_path, args, expected):
 
 def test_missing_config_file_is_named(capsys, tmp_path):
     assert "nope.yaml" in fails_with(capsys, "--config", str(tmp_path / "nope.yaml"))
+
+
+@pytest.mark.parametrize("content,expected", [
+    (b"train:\n  lr: [1\n", "is not valid YAML at line 3, column 1"),
+    (b"- model\n- train\n", "must be a mapping of sections (model:, train:, ...), not a list"),
+    (b"just words\n", "not a str"),
+    (b"\x7fELF\x02\x01\x01\x00\x00\x00\xd0\xff", "is not a text YAML file"),
+    (b"train: {}\x00\x00\n", "is a binary file"),
+    (None, "is a directory"),
+])
+def test_unreadable_config_file_is_named(capsys, tmp_path, content, expected):
+    path = tmp_path / "exp.yaml"
+    if content is None:
+        path.mkdir()
+    else:
+        path.write_bytes(content)
+    err = fails_with(capsys, "--config", str(path), f"logging.run_dir={tmp_path / 'run'}")
+    assert f"--config {path}" in err and expected in err and err.count("\n") == 1
 
 
 def test_truncated_data_file_is_named(capsys, tmp_path):

@@ -17,11 +17,15 @@ Saving writes into a hidden temporary directory, publishes it with one rename
 once every rank has finished and the manifest is written, then moves ``latest``
 and prunes old checkpoints: a crash at any point leaves the previous checkpoints
 intact. Loading verifies the manifest (sizes and hashes, spread over the ranks);
-a corrupted checkpoint is renamed aside (``*.corrupt``) and the previous one used,
-with a warning naming the file; if none is valid the run stops with a message.
+a corrupted checkpoint is renamed aside (``*.corrupt-<time>``) and the previous one
+used, with a warning naming the file; if none is valid the run stops with a message
+and changes nothing (``checkpoint.allow_fresh_start=true`` starts over instead). A
+save that fails (e.g. a full disk) removes its partial files and keeps the previous
+checkpoints. One trainer at a time writes a directory (``training/run_lock.py``).
 """
 from __future__ import annotations
 
+import errno
 import hashlib
 import json
 import os
@@ -33,6 +37,7 @@ from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
+from torch.distributed.checkpoint.api import CheckpointException
 
 from parallel import comm
 from training.config import Config, to_dict
@@ -40,6 +45,7 @@ from training.engine import Engine
 
 FORMAT_VERSION = 1
 _STEP_DIR = re.compile(r"^step_(\d{8})$")
+_QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
 _MODEL_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_size", "activation", "norm", "tie_embeddings",
                "bias")
 
@@ -56,6 +62,35 @@ def _sha256(path: Path) -> str:
     return h.hexdigest()
 
 
+def _oserror(e: BaseException) -> Optional[OSError]:
+    """The OSError behind e: itself, its cause/context, or one rank's failure inside a DCP CheckpointException."""
+    seen = set()
+    todo = [e]
+    while todo:
+        x = todo.pop()
+        if x is None or id(x) in seen:
+            continue
+        seen.add(id(x))
+        if isinstance(x, OSError):
+            return x
+        todo += [x.__cause__, x.__context__]
+        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
+        if isinstance(failures, dict):
+            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return None
+
+
+def _save_error(e: BaseException, tmp: Path) -> str:
+    """One line on why saving into ``tmp`` failed, naming the file when known."""
+    os_err = _oserror(e)
+    where = os_err.filename if os_err is not None and os_err.filename else tmp
+    if os_err is not None and os_err.errno == errno.ENOSPC or "No space left" in str(e):
+        return f"no space left on device while saving checkpoint {tmp.name.strip('.')[:-4]} ({where})"
+    if os_err is not None:
+        return f"cannot write checkpoint {tmp.name.strip('.')[:-4]}: {os_err.strerror or os_err} ({where})"
+    return f"saving checkpoint into {tmp} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+
+
 def _write_json(path: Path, obj: Any) -> None:
     tmp = path.with_name(path.name + ".tmp")
     with open(tmp, "w") as f:
@@ -70,6 +105,8 @@ class Checkpointer:
         self.cfg, self.engine, self.mesh = cfg, engine, engine.mesh
         self.dir = Path(directory)
         self.world = self.mesh.world
+        self.data_fingerprint: Optional[Dict[str, Any]] = None
+        """What the run reads (data files, split, weights, seed), recorded in meta.json; set by the trainer."""
 
     # -- state ------------------------------------------------------------------------------------
     def _tensors(self, for_load: bool, with_optimizer: bool) -> Dict[str, torch.Tensor]:
@@ -97,37 +134,64 @@ class Checkpointer:
                 "skipped_steps": self.engine.skipped_steps, "loss_scaler": self.engine.scaler.state_dict(),
                 "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
                 "model": {k: getattr(self.cfg.model, k) for k in _MODEL_KEYS},
-                "layout": self._layout(),
+                "layout": self._layout(), "data": self.data_fingerprint,
                 "time": time.time(), "torch": torch.__version__}
 
     # -- save -------------------------------------------------------------------------------------
-    def save(self, step: int, consumed_samples: int) -> Path:
+    def save(self, step: int, consumed_samples: int, protect: Optional[Path] = None) -> Path:
+        """Write, verify-hash and publish checkpoint ``step``; prune old ones except ``protect``.
+
+        A failure on any rank (full disk, I/O error) removes the partial save, keeps every published
+        checkpoint and raises CheckpointError naming the cause and the path on every rank.
+        """
         name = f"step_{step:08d}"
         final, tmp = self.dir / name, self.dir / f".{name}.tmp"
+        error = None
         if self.mesh.rank == 0:
-            self.dir.mkdir(parents=True, exist_ok=True)
-            for stale in self.dir.glob(".step_*.tmp"):
-                shutil.rmtree(stale, ignore_errors=True)
-            tmp.mkdir()
-        comm.barrier(self.world)
-        dcp.save(self._tensors(for_load=False, with_optimizer=True), checkpoint_id=str(tmp))
-        rng_file = tmp / f"rng_rank{self.mesh.rank:05d}.pt"
-        torch.save({"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)}, rng_file)
-        mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{self.mesh.rank}_") or p == rng_file]
-        hashes = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
-        gathered = comm.all_gather_object(hashes, self.world)
-        if self.mesh.rank == 0:
-            _write_json(tmp / "meta.json", self._meta(step, consumed_samples))
-            manifest = {k: v for h in gathered for k, v in h.items()}
-            for p in tmp.iterdir():
-                if p.name not in manifest:
-                    manifest[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
-            _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "files": manifest})
-            self._publish(tmp, final)
-        comm.barrier(self.world)
+            try:
+                self.dir.mkdir(parents=True, exist_ok=True)
+                for stale in self.dir.glob(".step_*.tmp"):  # a dead save of this run: the run lock excludes others
+                    shutil.rmtree(stale, ignore_errors=True)
+                tmp.mkdir()
+            except OSError as e:
+                error = _save_error(e, tmp)
+        error = comm.broadcast_object(error, 0, self.world)
+        hashes: Dict[str, Any] = {}
+        if error is None:
+            try:  # dcp.save gathers every rank's failure, so all ranks fail here together
+                dcp.save(self._tensors(for_load=False, with_optimizer=True), checkpoint_id=str(tmp))
+                rng_file = tmp / f"rng_rank{self.mesh.rank:05d}.pt"
+                torch.save({"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)},
+                           rng_file)
+                mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{self.mesh.rank}_") or p == rng_file]
+                hashes = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported below, on every rank
+                error = _save_error(e, tmp)
+        gathered = comm.all_gather_object((hashes, error), self.world)
+        errors = [e for _, e in gathered if e]
+        if self.mesh.rank == 0 and not errors:
+            try:
+                _write_json(tmp / "meta.json", self._meta(step, consumed_samples))
+                manifest = {k: v for h, _ in gathered for k, v in h.items()}
+                for p in tmp.iterdir():
+                    if p.name not in manifest:
+                        manifest[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "files": manifest})
+                self._publish(tmp, final, protect)
+            except OSError as e:
+                errors = [_save_error(e, tmp)]
+        errors = comm.broadcast_object(errors, 0, self.world)
+        if errors:
+            if self.mesh.rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            comm.barrier(self.world)
+            latest = self.dir / "latest"
+            kept = latest.read_text().strip() if latest.is_file() else None
+            raise CheckpointError(f"{errors[0]}; the partial save was removed"
+                                  + (f", the previous checkpoint {self.dir / kept} is kept" if kept else ""))
         return final
 
-    def _publish(self, tmp: Path, final: Path) -> None:
+    def _publish(self, tmp: Path, final: Path, protect: Optional[Path] = None) -> None:
         trash = None
         if final.exists():  # re-saving a step (e.g. after a fall-back): swap, then drop the old one
             trash = final.with_name(f".{final.name}.old")
@@ -140,8 +204,9 @@ class Checkpointer:
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
         complete = sorted(p for p in self.dir.iterdir() if _STEP_DIR.match(p.name))
+        keep = {final, Path(protect)} if protect is not None else {final}
         for old in complete[:-self.cfg.checkpoint.keep_last]:
-            if old != final:
+            if old not in keep:
                 shutil.rmtree(old, ignore_errors=True)
 
     # -- find and verify ----------------------------------------------------------------------------
@@ -172,12 +237,21 @@ class Checkpointer:
         return problems[0] if problems else None
 
     def find_resumable(self, quarantine: bool = True) -> Optional[Path]:
-        """The newest valid checkpoint in the directory; corrupted newer ones are renamed aside
-        (``quarantine``, so that a resumed run cannot later prune the good ones) or just skipped."""
-        names = []
+        """The newest valid checkpoint in the directory, or None for a directory that never held one.
+
+        Corrupted checkpoints newer than the valid one are renamed aside (``quarantine``: so that the
+        resumed run cannot later prune the good ones) or just skipped. With no valid checkpoint but
+        unusable ones (corrupted, quarantined earlier, or a ``latest`` naming a missing one) the run
+        stops and changes nothing, unless checkpoint.allow_fresh_start lets it train from step 0
+        (then the corrupted ones are renamed aside, never deleted)."""
+        names, quarantined, latest = [], [], None
         if self.mesh.rank == 0 and self.dir.is_dir():
-            names = sorted((p.name for p in self.dir.iterdir() if _STEP_DIR.match(p.name)), reverse=True)
-        names = comm.broadcast_object(names, 0, self.world)
+            entries = [p.name for p in self.dir.iterdir()]
+            names = sorted((n for n in entries if _STEP_DIR.match(n)), reverse=True)
+            quarantined = sorted(n for n in entries if _QUARANTINED.match(n))
+            if (self.dir / "latest").is_file():
+                latest = (self.dir / "latest").read_text().strip()
+        names, quarantined, latest = comm.broadcast_object((names, quarantined, latest), 0, self.world)
         rejected = []
         for name in names:
             problem = self._verify(self.dir / name)
@@ -185,17 +259,33 @@ class Checkpointer:
                 for bad_name, bad_problem in rejected:
                     print(f"[checkpoint] WARNING: {bad_name} is not usable ({bad_problem}); "
                           f"resuming from {name} instead", flush=True)
+                if quarantine:
+                    self._quarantine([n for n, _ in rejected])
                 return self.dir / name
             rejected.append((name, problem))
-            if quarantine and self.mesh.rank == 0:
-                os.rename(self.dir / name, self.dir / f"{name}.corrupt-{int(time.time())}")
-            comm.barrier(self.world)
-        if rejected:
-            details = "; ".join(f"{n}: {p}" for n, p in rejected)
-            aside = " (renamed aside as *.corrupt-*)" if quarantine else ""
-            raise CheckpointError(f"no valid checkpoint in {self.dir}{aside}: {details}. "
-                                  "Fix or remove them, or set checkpoint.resume=false to start over elsewhere.")
+        unusable = [f"{n}: {p}" for n, p in rejected] + [f"{n} (quarantined earlier)" for n in quarantined]
+        if latest and latest not in names:
+            unusable.append(f"'latest' names {latest}, which is missing")
+        if not unusable:
+            return None
+        details = "; ".join(unusable)
+        if not self.cfg.checkpoint.allow_fresh_start:
+            raise CheckpointError(f"no valid checkpoint in {self.dir}, nothing changed there: {details}. Refusing "
+                                  "to train from step 0 over them: fix or move them (or checkpoint.load=<a good "
+                                  "one>), or set checkpoint.allow_fresh_start=true to start over (unusable ones are "
+                                  "then renamed aside as *.corrupt-*, never deleted)")
+        if self.mesh.rank == 0:
+            print(f"[checkpoint] WARNING: no valid checkpoint in {self.dir} ({details}); starting from step 0 "
+                  "because checkpoint.allow_fresh_start=true", flush=True)
+        if quarantine:
+            self._quarantine([n for n, _ in rejected])
         return None
+
+    def _quarantine(self, names: List[str]) -> None:
+        if self.mesh.rank == 0:
+            for name in names:
+                os.rename(self.dir / name, self.dir / f"{name}.corrupt-{int(time.time())}")
+        comm.barrier(self.world)
 
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: Path, with_optimizer: bool = True) -> Dict[str, Any]:

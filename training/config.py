@@ -11,6 +11,7 @@ Every field carries a docstring; ``python train.py --help`` prints them.
 from __future__ import annotations
 
 import dataclasses
+import math
 import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
@@ -190,6 +191,13 @@ class CheckpointConfig:
     """Start from this checkpoint directory instead (e.g. another run's); must be valid."""
     save_at_exit: bool = True
     """Save when the run ends (max steps, time limit or SIGTERM/SIGUSR1)."""
+    allow_fresh_start: bool = False
+    """Start from step 0 even though dir holds checkpoints that cannot be used (corrupted, quarantined as
+    *.corrupt-*, or a 'latest' naming a missing one). Off: such a run stops with an error instead of
+    silently training from scratch over them; the unusable ones are then renamed aside, never deleted."""
+    on_data_change: str = "error"
+    """When a resumed run's data (files, split, weights) or train.seed differ from the checkpoint's
+    fingerprint: error (refuse to start) | warn (print a warning and continue)."""
 
 
 @dataclass
@@ -306,6 +314,7 @@ _CHOICES = {
     "logging.wandb.mode": ("online", "offline", "disabled"),
     "zero.partition": ("flat", "whole_tensor"),
     "zero.reduce_dtype": ("compute", "fp32"),
+    "checkpoint.on_data_change": ("error", "warn"),
 }
 
 
@@ -341,6 +350,9 @@ def validate_config(cfg: Config) -> None:
     for key in ("model.dropout", "model.attention_dropout"):
         need(0.0 <= _get(cfg, key) < 1.0, f"{key}={_get(cfg, key)} must be in [0, 1)")
     need(t.lr > 0, f"train.lr={t.lr} must be > 0")
+    need(math.isfinite(t.lr), f"train.lr={t.lr} must be a finite number")
+    need(math.isfinite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0,
+         f"parallel.timeout_s={cfg.parallel.timeout_s} must be a finite number of seconds > 0")
     need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     need(t.decay_steps is None or t.decay_steps > t.warmup_steps,

@@ -9,6 +9,7 @@ from __future__ import annotations
 import hashlib
 import json
 import math
+import os
 import resource
 from pathlib import Path
 from typing import Any, Dict, Optional
@@ -46,12 +47,17 @@ def peak_memory_bytes(device: torch.device) -> int:
 
 
 class MetricsLogger:
-    def __init__(self, cfg: Config, run_dir: Path, enabled: bool):
+    """Appends to ``<run_dir>/metrics.jsonl``. A run starting at ``resume_step`` first drops the records of
+    later steps (those of a run that went on after the checkpoint and died): this run logs them again, so
+    each step appears once."""
+
+    def __init__(self, cfg: Config, run_dir: Path, enabled: bool, resume_step: int = 0):
         self.enabled = enabled
         self.wandb = None
         if not enabled:
             return
         run_dir.mkdir(parents=True, exist_ok=True)
+        _drop_records_after(run_dir / "metrics.jsonl", resume_step)
         self.file = open(run_dir / "metrics.jsonl", "a", buffering=1)
         w = cfg.logging.wandb
         if w.mode != "disabled":
@@ -79,6 +85,30 @@ class MetricsLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def _drop_records_after(path: Path, step: int) -> None:
+    """Rewrite ``path`` (atomically) without the records of steps after ``step`` and any torn last line."""
+    if not path.is_file():
+        return
+    kept, dropped = [], 0
+    for line in path.read_text().splitlines():
+        try:
+            record = json.loads(line)
+        except ValueError:  # a line cut short by a crash
+            dropped += 1
+            continue
+        if isinstance(record, dict) and record.get("step", 0) > step:
+            dropped += 1
+        else:
+            kept.append(line)
+    if not dropped:
+        return
+    tmp = path.with_name(path.name + ".tmp")
+    tmp.write_text("".join(line + "\n" for line in kept))
+    os.replace(tmp, path)
+    print(f"[metrics] {path}: dropped {dropped} record(s) after step {step}; this run logs those steps again",
+          flush=True)
 
 
 def _wandb_id(run_dir: Path) -> str:

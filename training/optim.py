@@ -66,7 +66,8 @@ class LossScaler:
             return
         if found_inf:
             if self.scale <= self.min_scale:
-                raise FloatingPointError(f"gradients overflow even at the minimum loss scale {self.min_scale}")
+                raise FloatingPointError(f"fp16 gradients overflow even at the minimum loss scale "
+                                         f"loss_scale.min_scale={self.min_scale:g} (lower it, or use bf16)")
             self.scale = max(self.scale / 2, self.min_scale)
             self.clean_steps = 0
             return

@@ -12,7 +12,6 @@ run restores the number and so sees exactly the tokens it would have seen.
 from __future__ import annotations
 
 import os
-import signal
 import time
 from datetime import datetime
 from pathlib import Path
@@ -22,29 +21,23 @@ import torch
 import torch.distributed as dist
 
 from data.gpt_dataset import Sampleable, build_datasets, get_batch
-from data.indexed import DataError
+from data.indexed import DataError, fingerprint
 from data.tokenizer import Tokenizer
 from model.flops import flops_per_token, parameter_count
 from parallel import comm
 from parallel.launch import init_distributed, pick_device, read_launch_env
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, CheckpointError
 from training.config import Config, to_yaml, validate_config
 from training.engine import Engine
 from training.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
+from training.run_lock import RunLock, RunLockError
+from training.stop import StopFlag
 
 
-class StopFlag:
-    """Set by SIGTERM / SIGUSR1 (what SLURM sends before the end of an allocation)."""
-
-    def __init__(self):
-        self.signal: Optional[str] = None
-        for sig in (signal.SIGTERM, signal.SIGUSR1):
-            signal.signal(sig, self._handle)
-
-    def _handle(self, signum, frame) -> None:
-        self.signal = signal.Signals(signum).name
+class DivergedError(RuntimeError):
+    """Training cannot go on: non-finite gradients for too many steps, or the fp16 loss-scale floor reached."""
 
 
 def check_data(cfg: Config) -> Tuple[Sampleable, Optional[Sampleable]]:
@@ -53,7 +46,7 @@ def check_data(cfg: Config) -> Tuple[Sampleable, Optional[Sampleable]]:
         raise DataError(f"tokenizer {cfg.data.tokenizer} has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
     return build_datasets(list(cfg.data.paths), list(cfg.data.weights) if cfg.data.weights else None,
-                          list(cfg.data.split), cfg.model.seq_len, cfg.train.seed)
+                          list(cfg.data.split), cfg.model.seq_len, cfg.train.seed, vocab_size=tok.vocab_size)
 
 
 def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> Callable[[int], tuple]:
@@ -75,7 +68,9 @@ def _run_dir(cfg: Config, config_name: str, mesh: Mesh) -> Path:
     return Path(comm.broadcast_object(name, 0, mesh.world))
 
 
-def run(cfg: Config, config_name: str = "default") -> Dict[str, Any]:
+def run(cfg: Config, config_name: str = "default", stop: Optional[StopFlag] = None) -> Dict[str, Any]:
+    """Train; ``stop`` is the signal flag (train.py installs it before anything else)."""
+    stop = stop or StopFlag()
     validate_config(cfg)
     env = read_launch_env()
     layout = make_layout(cfg, env.world_size, env.local_world_size)
@@ -85,44 +80,111 @@ def run(cfg: Config, config_name: str = "default") -> Dict[str, Any]:
         torch.set_num_threads(max(1, (os.cpu_count() or 1) // env.local_world_size))
     init_distributed(env, device, cfg.parallel.timeout_s)
     try:
-        return _train(cfg, config_name, layout, device, train_ds, valid_ds)
+        mesh = Mesh(layout, device)
+        run_dir = _run_dir(cfg, config_name, mesh)
+        ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        lock = _lock([run_dir, ckpt_dir], mesh)
+        try:
+            return _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop)
+        finally:
+            if lock is not None:
+                lock.release()
     finally:
         dist.destroy_process_group()
 
 
-def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, Any]:
-    mesh = Mesh(layout, device)
-    main = mesh.rank == 0
-    run_dir = _run_dir(cfg, config_name, mesh)
-    engine = Engine(cfg, mesh)
-    ckpt = Checkpointer(cfg, cfg.checkpoint.dir or str(run_dir / "checkpoints"), engine)
-    consumed, start = 0, None
+def _lock(dirs, mesh: Mesh) -> Optional[RunLock]:
+    """Rank 0 locks the run and checkpoint directories before anything is read or written there."""
+    lock, error = None, None
+    if mesh.rank == 0:
+        try:
+            lock = RunLock(dirs).acquire()
+        except RunLockError as e:
+            error = str(e)
+    error = comm.broadcast_object(error, 0, mesh.world)
+    if error is not None:
+        raise RunLockError(error)
+    return lock
+
+
+def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path], int]:
+    """Load the checkpoint to start from, if any; returns it and the samples consumed."""
+    start = None
     if cfg.checkpoint.load:
         start = Path(cfg.checkpoint.load)
     elif cfg.checkpoint.resume:
         start = ckpt.find_resumable()
-    if start is not None:
-        consumed = ckpt.load(start)["consumed_samples"]
-    logger = MetricsLogger(cfg, run_dir, enabled=main)
+    if start is None:
+        return None, 0
+    meta = ckpt.load(start)
+    _check_same_data(meta, ckpt.data_fingerprint, cfg, start, mesh)
+    return start, meta["consumed_samples"]
+
+
+def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, path: Path, mesh: Mesh) -> None:
+    """A resumed run must read what the checkpoint's run read, or its data position means nothing."""
+    then = meta.get("data")
+    if then is None:
+        problems = ["the checkpoint records no data fingerprint (written by an older version)"]
+    else:
+        keys = {"seed": "train.seed", "split": "data.split", "weights": "data.weights"}
+        problems = [f"{key}: checkpoint {then.get(k)!r} vs now {now[k]!r}" for k, key in keys.items()
+                    if then.get(k) != now[k]]
+        old_files, new_files = then.get("files", []), now["files"]
+        if [f["content"] for f in old_files] != [f["content"] for f in new_files]:
+            problems.append(f"data files: checkpoint read {[f['path'] for f in old_files]}, this run reads "
+                            f"{[f['path'] for f in new_files]} and their contents differ")
+    if not problems:
+        return
+    msg = (f"checkpoint {path} was trained on other data ({'; '.join(problems)})" if then is not None else
+           f"checkpoint {path} records no data fingerprint (older version): its data cannot be checked")
+    if cfg.checkpoint.on_data_change == "error" and then is not None:
+        raise CheckpointError(msg + ": its data position would not mean the same samples. Use the original "
+                              "data.paths/train.seed, or set checkpoint.on_data_change=warn to continue anyway")
+    if mesh.rank == 0:
+        print(f"[checkpoint] WARNING: {msg}; continuing (checkpoint.on_data_change={cfg.checkpoint.on_data_change})",
+              flush=True)
+
+
+def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, Any]:
+    layout, main = mesh.layout, mesh.rank == 0
+    engine = Engine(cfg, mesh)
+    ckpt = Checkpointer(cfg, str(ckpt_dir), engine)
+    ckpt.data_fingerprint = comm.broadcast_object(data_fingerprint(cfg) if main else None, 0, mesh.world)
+    start, consumed = _resume(cfg, ckpt, mesh)
+    logger = MetricsLogger(cfg, run_dir, enabled=main, resume_step=engine.step)
     if main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
         params = parameter_count(cfg.model)
         print(f"[train] {layout.describe()}\n[train] model: {params['total'] / 1e6:.2f}M parameters "
               f"({params['non_embedding'] / 1e6:.2f}M non-embedding), run dir {run_dir}"
               + (f", resumed from {start} at step {engine.step}" if start else ""), flush=True)
+    try:
+        return _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir)
+    finally:
+        logger.close()
 
-    stop = StopFlag()
+
+def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir) -> Dict[str, Any]:
+    layout, device, main = mesh.layout, mesh.device, mesh.rank == 0
     t, g = cfg.train, cfg.train.global_batch_size
     tokens_per_step = g * cfg.model.seq_len
     flops_token = flops_per_token(cfg.model)
     peak = peak_tflops(device, cfg.precision)
     began = time.monotonic()
-    window_time, window_steps, last_saved, reason = 0.0, 0, engine.step if start else -1, "max_steps"
+    window_time, window_steps, last_saved = 0.0, 0, engine.step if start else -1
     state_bytes = None
-    while engine.step < t.max_steps:
+    good, streak = start, 0  # last checkpoint saved outside a streak of skipped steps; the streak's length
+    reason = _should_stop(stop, began, t.time_limit_minutes, mesh)  # a signal during start-up stops here
+    while not reason and engine.step < t.max_steps:
         mesh.ledger.reset()
         t0 = time.perf_counter()
-        stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh))
+        try:
+            stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh))
+        except FloatingPointError as e:
+            raise DivergedError(f"training diverged at step {engine.step + 1}: {e}; last good checkpoint: "
+                                f"{good or 'none'}" + (f" (resume from it with checkpoint.load={good})" if good
+                                                       else "")) from None
         if device.type == "cuda":
             torch.cuda.synchronize()
         window_time += time.perf_counter() - t0
@@ -134,6 +196,7 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
                       + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in state_bytes.items()), flush=True)
         consumed += g
         step = engine.step
+        streak = streak + 1 if stats["skipped"] else 0
         if stats["skipped"] and main:
             print(f"[train] step {step}: non-finite gradients (norm {stats['grad_norm']}), step skipped; "
                   f"loss scale {stats['loss_scale']:g} -> {engine.scaler.scale:g}", flush=True)
@@ -150,17 +213,28 @@ def _train(cfg, config_name, layout, device, train_ds, valid_ds) -> Dict[str, An
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
-            ckpt.save(step, consumed)
+            good = _save(ckpt, step, consumed, good, streak)
             last_saved = step
         reason = _should_stop(stop, began, t.time_limit_minutes, mesh)
-        if reason:
-            break
     if cfg.checkpoint.save_at_exit and last_saved != engine.step and engine.step > 0:
-        ckpt.save(engine.step, consumed)
+        _save(ckpt, engine.step, consumed, good, streak)
     if main:
         print(f"[train] stopped at step {engine.step} ({reason or 'max_steps'})", flush=True)
-    logger.close()
     return {"step": engine.step, "reason": reason or "max_steps", "run_dir": str(run_dir)}
+
+
+def _save(ckpt: Checkpointer, step: int, consumed: int, good: Optional[Path], streak: int) -> Optional[Path]:
+    """Save; during a streak of skipped steps the last checkpoint from before it is never pruned.
+    Returns the last good checkpoint afterwards."""
+    path = ckpt.save(step, consumed, protect=good if streak else None)
+    return good if streak else path
+
+
+def data_fingerprint(cfg: Config) -> Dict[str, Any]:
+    """What decides the samples a data position stands for: file contents, split, weights and seed."""
+    return {"seed": cfg.train.seed, "split": list(cfg.data.split),
+            "weights": list(cfg.data.weights) if cfg.data.weights else None,
+            "files": [{"path": p, "content": fingerprint(p)} for p in cfg.data.paths]}
 
 
 def _should_stop(stop: StopFlag, began: float, limit_minutes: Optional[float], mesh: Mesh) -> Optional[str]:
