@@ -146,17 +146,36 @@ def test_every_error_is_reported_at_once() -> None:
     assert "batchnorm" in msg and "relu" in msg and "global_batch_size=10" in msg
 
 
-@pytest.mark.parametrize("override, words", [
-    ("zero.stage=1", ["zero.stage=1", "not implemented"]),
-    ("zero.stage=3", ["zero.stage=3", "not implemented"]),
-    ("zero.quantized_weights=true", ["zero.quantized_weights=True", "not implemented"]),
-    ("zero.hpz_size=2", ["zero.hpz_size=2", "not implemented"]),
-    ("precision=fp8", ["precision=fp8", "not implemented"]),
+@pytest.mark.parametrize("overrides, words", [
+    (["zero.stage=3", "zero.quantized_weights=true"], ["zero.quantized_weights=True", "not implemented"]),
+    (["zero.stage=3", "zero.hpz_size=2"], ["zero.hpz_size=2", "not implemented"]),
+    (["zero.stage=3", "zero.quantized_gradients=true"], ["zero.quantized_gradients=True", "not implemented"]),
+    (["precision=fp8"], ["precision=fp8", "not implemented"]),
 ])
-def test_unimplemented_features_say_so(override: str, words: list) -> None:
-    msg = _invalid(override)
+def test_unimplemented_features_say_so(overrides: list, words: list) -> None:
+    msg = _invalid(*overrides)
     for w in words:
         assert w in msg
+
+
+@pytest.mark.parametrize("overrides, words", [
+    (["zero.stage=4"], ["zero.stage=4", "[0, 1, 2, 3]"]),
+    (["zero.stage=-1"], ["zero.stage=-1"]),
+    (["zero.partition=striped"], ["zero.partition='striped'", "whole_tensor"]),
+    (["zero.reduce_dtype=fp8"], ["zero.reduce_dtype='fp8'"]),
+    (["zero.stage=2", "zero.hpz_size=4"], ["zero.hpz_size=4 needs zero.stage=3", "zero.stage=2"]),
+    (["zero.stage=1", "zero.quantized_gradients=true"], ["zero.quantized_gradients=True needs zero.stage=3"]),
+])
+def test_bad_zero_options_name_key_and_value(overrides: list, words: list) -> None:
+    msg = _invalid(*overrides)
+    for w in words:
+        assert w in msg, msg
+
+
+@pytest.mark.parametrize("stage", [0, 1, 2, 3])
+def test_zero_stages_are_valid(stage: int) -> None:
+    validate_config(load_config(None, [f"zero.stage={stage}", "zero.partition=whole_tensor",
+                                       "zero.reduce_dtype=fp32"]))
 
 
 @pytest.mark.parametrize("override, key", [
