@@ -92,16 +92,17 @@ def test_second_trainer_on_the_same_run_dir_is_refused_naming_the_holder(tmp_pat
 
 # -- 3. divergence keeps the last good checkpoint and ends with one line -----------------------------
 def test_divergence_keeps_the_last_good_checkpoint_and_names_it(tmp_path, capsys, monkeypatch):
+    import parallel.data_parallel as dp_module
     import training.engine as engine_module
 
-    real = engine_module.unscale_and_clip
+    real = dp_module.unscale_and_clip
     calls = []
 
     def diverge_after_4_steps(*args, **kwargs):
         calls.append(1)
         return (float("nan"), False) if len(calls) > 4 else real(*args, **kwargs)
 
-    monkeypatch.setattr(engine_module, "unscale_and_clip", diverge_after_4_steps)
+    monkeypatch.setattr(dp_module, "unscale_and_clip", diverge_after_4_steps)
     monkeypatch.setattr(engine_module, "MAX_CONSECUTIVE_SKIPS", 3)
     run_dir = tmp_path / "run"
     rc, out, err = run_inprocess(capsys, *FAST, "train.max_steps=20", "checkpoint.interval=1",
