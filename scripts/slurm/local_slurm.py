@@ -65,6 +65,15 @@ def ensure_packages(timeout_s: float = 600.0) -> str:
     if os.geteuid() != 0:
         raise LocalSlurmError(f"missing {', '.join(missing_binaries())}; installing {' '.join(PACKAGES)} "
                               "needs root (apt-get)")
+    import fcntl
+    with open(os.path.join(tempfile.gettempdir(), "local-slurm-apt.lock"), "w") as lock:
+        fcntl.flock(lock, fcntl.LOCK_EX)  # two test workers: one apt-get at a time (dpkg's lock would fail)
+        if not missing_binaries():
+            return "slurm and munge installed by another process"
+        return _apt_install(timeout_s)
+
+
+def _apt_install(timeout_s: float) -> str:
     env = {**os.environ, "DEBIAN_FRONTEND": "noninteractive"}
     began = time.monotonic()
     cmd = ["apt-get", "install", "-y", "-q", "--no-install-recommends", *PACKAGES]
