@@ -8,6 +8,7 @@ names do not resolve (NodeAddr=127.0.0.1), checks:
 * ``--cpus-per-task`` reaches the srun step (SRUN_CPUS_PER_TASK; issue 7.7);
 * SIGUSR1 to the batch shell (what ``--signal=B:USR1@N`` sends) saves, requeues and resumes, and the
   loss curve of the interrupted + resumed job equals the uninterrupted one step by step;
+* ``scancel`` (SIGTERM) saves and does not requeue;
 * an unresolvable MASTER_ADDR stops the job at once, naming it.
 
 The packages are installed with apt-get when missing (CI runs as root on Debian); the test is
@@ -128,9 +129,9 @@ def _losses(run_dir: Path) -> Dict[int, float]:
     return out
 
 
-def _check_trained(tmp: Path, name: str, job: str, info: Dict[str, str]) -> Dict[int, float]:
+def _check_trained(cluster: LocalSlurm, tmp: Path, name: str, job: str, info: Dict[str, str]) -> Dict[int, float]:
     out = _output(tmp, name, job)
-    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{out}"
+    assert info["JobState"] == "COMPLETED" and info.get("ExitCode") == "0:0", f"{info}\n{out}\n{cluster.logs()}"
     run_dir = tmp / "runs" / name
     losses = _losses(run_dir)
     assert sorted(losses) == list(range(1, STEPS + 1)), f"steps logged: {sorted(losses)}\n{out}"
@@ -153,7 +154,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     one = _submit(cluster, tmp_path, "one-node", ["--nodes=1", "--ntasks-per-node=2", "--cpus-per-task=1"])
     step_one = _StepWatch(cluster, one)
     info = _wait(cluster, tmp_path, "one-node", one, _finished, "end", during=step_one)
-    losses_one = _check_trained(tmp_path, "one-node", one, info)
+    losses_one = _check_trained(cluster, tmp_path, "one-node", one, info)
     step_one.check_cpus_per_task(1, _output(tmp_path, "one-node", one))
     t_one = time.monotonic() - began
 
@@ -161,7 +162,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     two = _submit(cluster, tmp_path, "two-nodes", ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"])
     step_two = _StepWatch(cluster, two)
     info = _wait(cluster, tmp_path, "two-nodes", two, _finished, "end", during=step_two)
-    reference = _check_trained(tmp_path, "two-nodes", two, info)
+    reference = _check_trained(cluster, tmp_path, "two-nodes", two, info)
     assert info["NodeList"] == "smk[1-2]", info
     step_two.check_cpus_per_task(1, _output(tmp_path, "two-nodes", two))
     # same world size and layout (dp 2): the same model; ranks_per_node 1 vs 2 only changes reduction order
@@ -180,12 +181,15 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert int(info.get("Restarts", "0")) == 1, f"{info}\n{_output(tmp_path, name, job)}"
     stopped_at = max(_losses(run_dir))
     assert stopped_at < STEPS
-    # a requeued job may wait (BeginTime) before it is eligible again: make it eligible now if so
-    if cluster.job(job).get("JobState") == "PENDING":
-        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"], check=False)
+    # a requeued job is held (Reason=BeginTime, ~2 min) before it is eligible again: once the old run has
+    # fully ended (only then does the reason say BeginTime; starting it earlier fails the launch), start it now
+    info = _wait(cluster, tmp_path, name, job, lambda i: i.get("Reason") == "BeginTime" or _finished(i)
+                 or i.get("JobState") == "RUNNING", "requeued job held or running", timeout=60)
+    if info.get("Reason") == "BeginTime":
+        cluster.run(["scontrol", "update", f"JobId={job}", "StartTime=now"])
     info = _wait(cluster, tmp_path, name, job, _finished, "end after the requeue")
     out = _output(tmp_path, name, job)
-    resumed = _check_trained(tmp_path, name, job, info)
+    resumed = _check_trained(cluster, tmp_path, name, job, info)
     assert "[sbatch] SIGUSR1" in out and f"requeueing job {job}" in out, out
     assert f"[train] stopped at step {stopped_at} (signal)" in out, out
     assert re.search(rf"resumed from \S*step_{stopped_at:08d} at step {stopped_at}\b", out), out
@@ -193,6 +197,24 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     # the interrupted + resumed run is the uninterrupted one, step by step, bit for bit (deterministic CPU)
     assert resumed == reference, {s: (resumed.get(s), reference[s]) for s in reference if resumed.get(s) != reference[s]}
     t_usr1 = time.monotonic() - began - t_one - t_two
+
+    # -- scancel (SIGTERM to the batch shell and the ranks): save if there is time, no requeue ------------------
+    name = "scancel"
+    job = _submit(cluster, tmp_path, name, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"])
+    run_dir = tmp_path / "runs" / name
+    _wait(cluster, tmp_path, name, job, lambda i: len(_losses(run_dir)) >= 3 or _finished(i), "3 logged steps")
+    assert len(_losses(run_dir)) < STEPS - 5, "the run ended before scancel"
+    cluster.run(["scancel", job])
+    info = _wait(cluster, tmp_path, name, job, _finished, "end after scancel", timeout=60)
+    time.sleep(1)  # the batch shell's last lines
+    out = _output(tmp_path, name, job)
+    assert info["JobState"] == "CANCELLED" and info["Restarts"] == "0", f"{info}\n{out}"
+    stopped_at = max(_losses(run_dir))
+    assert f"[train] stopped at step {stopped_at} (signal)" in out, out  # KillWait (10 s) left time to save
+    assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir(), out
+    assert "[sbatch] SIGTERM" in out and "stopped by SIGTERM (time limit, scancel or preemption): not requeueing" in out \
+        and f"requeueing job {job}" not in out, out
+    t_term = time.monotonic() - began - t_one - t_two - t_usr1
 
     # -- an unresolvable MASTER_ADDR: the job stops at once, naming it, and is not requeued -----------------
     bad = _submit(cluster, tmp_path, "bad-master", ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"],
@@ -204,7 +226,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{out}"
     assert "MASTER_ADDR='smk-nowhere' does not resolve" in out, out
     print(f"[test_slurm] one node {t_one:.1f} s, two nodes {t_two:.1f} s, USR1+requeue {t_usr1:.1f} s, "
-          f"bad MASTER_ADDR {time.monotonic() - t0:.1f} s")
+          f"scancel {t_term:.1f} s, bad MASTER_ADDR {time.monotonic() - t0:.1f} s")
 
 
 def test_local_slurm_cleans_up_when_start_fails(monkeypatch) -> None:
