@@ -209,10 +209,10 @@ def resolve_master_addr(env: LaunchEnv, resolver: Resolver = resolves,
     addr = node_addr(host)
     if addr is not None and addr != host and resolver(addr):
         return dataclasses.replace(env, master_addr=addr, master_source=f"NodeAddr of {host}")
-    tried = (f"scontrol show node {host} gave NodeAddr={addr}" if addr is not None
-             else f"scontrol show node {host} gave no NodeAddr")
+    tried = (f"`scontrol show node {host}` gives NodeAddr={addr}, which does not resolve either" if addr is not None
+             else f"`scontrol show node {host}` gives no NodeAddr (is scontrol on PATH?)")
     raise LaunchError(f"cannot find rank 0's node: node {host!r} (first node of {env.master_source}) does not "
-                      f"resolve and {tried} that does; set MASTER_ADDR to an address of node {host!r} "
+                      f"resolve and {tried}; set MASTER_ADDR to an address of node {host!r} "
                       f"(e.g. in the batch script: export MASTER_ADDR=<its IP>)")
 
 
@@ -246,7 +246,7 @@ def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float) -> 
     try:
         dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
                                 timeout=timeout, **kwargs)
-    except dist.DistNetworkError as e:  # includes the store's connect timeout
+    except (dist.DistNetworkError, dist.DistStoreError) as e:  # cannot connect; the store's wait timed out
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LaunchError(f"rank {env.rank} could not reach the rendezvous at MASTER_ADDR={env.master_addr} "
                           f"MASTER_PORT={env.master_port} (from {env.master_source or 'the launcher'}) within "

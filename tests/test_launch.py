@@ -291,3 +291,20 @@ def test_slurm_rendezvous_fails_fast_when_no_address_is_known(fake_scontrol: Pat
     assert time.monotonic() - began < 60  # far below the 120 s rendezvous timeout
     for code, out in results:
         assert code != 0 and "LaunchError" in out and "MASTER_ADDR" in out and "'gpu08'" in out, out
+
+
+def test_rendezvous_that_nobody_answers_is_a_launch_error_naming_master_addr_and_port(tmp_path: Path) -> None:
+    """Rank 1 of 2, MASTER_ADDR resolves but nothing listens there: after parallel.timeout_s the error is a
+    LaunchError naming MASTER_ADDR, MASTER_PORT and where the address came from, not a raw DistNetworkError."""
+    import socket
+    import subprocess
+    import sys
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]  # closed again: nothing listens there
+    env = {**_slurm_rank_env(1, "gpu[07-08]", port, os.environ["PATH"]), "MASTER_ADDR": "127.0.0.1"}
+    began = time.monotonic()
+    r = subprocess.run([sys.executable, "-c", RANK_SCRIPT, "2"], env=env, capture_output=True, text=True, timeout=60)
+    assert r.returncode != 0 and time.monotonic() - began < 45
+    assert f"LaunchError: rank 1 could not reach the rendezvous at MASTER_ADDR=127.0.0.1 MASTER_PORT={port} " \
+           f"(from MASTER_ADDR) within 2 s" in r.stderr, r.stderr[-3000:]
