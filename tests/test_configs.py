@@ -112,7 +112,7 @@ def test_sbatch_script_is_valid_bash():
     script = ROOT / "scripts" / "slurm" / "train.sbatch"
     subprocess.run(["bash", "-n", str(script)], check=True)
     text = script.read_text()
-    for option in ("--ntasks-per-node=8", "--gpus-per-node=8", "--signal=USR1@180", "--requeue",
+    for option in ("--ntasks-per-node=8", "--gpus-per-node=8", "--signal=B:USR1@180", "--requeue",
                    "--open-mode=append", "--cpus-per-task"):
         assert re.search(rf"^#SBATCH .*{re.escape(option)}", text, re.M), f"train.sbatch lacks #SBATCH {option}"
     assert "srun --kill-on-bad-exit=1" in text and "train.py" in text
