@@ -258,18 +258,32 @@ def _run_ranks(nodelist: str, path: str, timeout_s: float) -> list:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
-    procs = [subprocess.Popen([sys.executable, "-c", RANK_SCRIPT, str(timeout_s)], env=_slurm_rank_env(r, nodelist, port, path),
-                              stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True) for r in range(2)]
-    out = []
-    try:
-        for p in procs:
-            out.append((p.wait(timeout=timeout_s + 60), p.stdout.read()))
-    finally:
-        for p in procs:
-            if p.poll() is None:
-                p.kill()
-                p.wait()
+    with _netns() as ns:  # the ranks look up names that exist nowhere: no DNS query may leave the machine
+        procs = [subprocess.Popen(ns.prefix + [sys.executable, "-c", RANK_SCRIPT, str(timeout_s)],
+                                  env=_slurm_rank_env(r, nodelist, port, path), stdout=subprocess.PIPE,
+                                  stderr=subprocess.STDOUT, text=True) for r in range(2)]
+        out = []
+        try:
+            for p in procs:
+                out.append((p.wait(timeout=timeout_s + 60), p.stdout.read()))
+        finally:
+            for p in procs:
+                if p.poll() is None:
+                    p.kill()
+                    p.wait()
     return out
+
+
+def _netns():
+    """A loopback-only network namespace (scripts/slurm/local_slurm.py); these tests need root for it."""
+    import sys
+
+    if os.geteuid() != 0:
+        pytest.skip("a loopback-only network namespace needs root")
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "slurm"))
+    from local_slurm import LoopbackNetns
+
+    return LoopbackNetns()
 
 
 def test_slurm_rendezvous_on_an_unresolvable_node_name(fake_scontrol: Path) -> None:

@@ -15,6 +15,8 @@ temporary directory. The nodes (``smk1``, ``smk2``, ...; names that deliberately
 as on clusters whose node names are not in DNS) all have ``NodeAddr=127.0.0.1`` and their own
 port (Debian's slurmd is built with multiple-slurmd support: ``slurmd -N smk1``). Every daemon
 binds to loopback only (``CommunicationParameters=NoInAddrAny``); the munge socket is private.
+Daemons, Slurm commands and so the jobs run in a network namespace of their own with no route
+off the machine (:class:`LoopbackNetns`): looking up the unresolvable node names sends nothing.
 The logical nodes share this machine's cores,
 so no CPU binding (``TaskPlugin=task/none``: binding would pin the ranks of both nodes to the same
 core numbers); the CPUs SLURM grants a step are still visible in ``scontrol show step``. No
@@ -109,6 +111,50 @@ def _which(name: str) -> str:
     return path
 
 
+class LoopbackNetns:
+    """A network namespace of loopback only: what runs under :attr:`prefix` talks to nothing but itself.
+
+    Commands enter it with ``nsenter --net`` (no other namespace changes, so /sys/fs/cgroup and /etc
+    stay as they are). It has no route anywhere, so looking up a name that exists nowhere (as these
+    tests do on purpose) fails at once: the DNS query cannot be sent, nothing leaves the machine.
+    Besides ``lo`` it holds a veth pair with a documentation address (192.0.2.1/32) of its own,
+    because getaddrinfo(AI_ADDRCONFIG), which Slurm uses, returns nothing on a host whose only
+    addresses are loopback. Deleted on exit.
+    """
+
+    def __init__(self):
+        self.name = f"gptlo{os.getpid()}x{int.from_bytes(os.urandom(2), 'little')}"
+        self.prefix: List[str] = []
+
+    def __enter__(self) -> "LoopbackNetns":
+        try:
+            self.create()
+        except BaseException:
+            self.remove()
+            raise
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self.remove()
+
+    def create(self) -> None:
+        ip, n = _which("ip"), self.name
+        for cmd in (["netns", "add", n], ["-n", n, "link", "set", "lo", "up"],
+                    ["-n", n, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
+                    ["-n", n, "addr", "add", "192.0.2.1/32", "dev", "v0"],
+                    ["-n", n, "link", "set", "v0", "up"], ["-n", n, "link", "set", "v1", "up"]):
+            r = subprocess.run([ip, *cmd], capture_output=True, text=True, timeout=30)
+            if r.returncode != 0:
+                raise LocalSlurmError(f"ip {' '.join(cmd)} failed: {r.stderr.strip()}")
+        self.prefix = [_which("nsenter"), f"--net=/var/run/netns/{n}"]
+
+    def remove(self) -> None:
+        ip = shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin")
+        if ip:
+            subprocess.run([ip, "netns", "del", self.name], capture_output=True, timeout=30)
+        self.prefix = []
+
+
 class LocalSlurm:
     """Context manager: a running local cluster; :meth:`env` is the environment for Slurm commands."""
 
@@ -119,6 +165,7 @@ class LocalSlurm:
         self.dir: Optional[Path] = None
         self.procs: Dict[str, subprocess.Popen] = {}
         self.conf: Optional[Path] = None
+        self.netns = LoopbackNetns()  # daemons, commands and jobs: loopback only, no DNS
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LocalSlurm":
@@ -134,6 +181,7 @@ class LocalSlurm:
 
     def start(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="local-slurm-"))
+        self.netns.create()
         d = self.dir
         (d / "ctld").mkdir()
         (d / "munge").mkdir(mode=0o700)
@@ -205,7 +253,7 @@ PartitionName=smoke Nodes=ALL Default=YES MaxTime=60 State=UP
     def _spawn(self, name: str, cmd: List[str]) -> None:
         log = open(self.dir / f"{re.sub(r'[^a-z0-9]', '_', name)}.stdout", "wb")
         try:
-            self.procs[name] = subprocess.Popen(cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
+            self.procs[name] = subprocess.Popen(self.netns.prefix + cmd, stdin=subprocess.DEVNULL, stdout=log, stderr=subprocess.STDOUT,
                                                 env=self.env(), start_new_session=True)
         finally:
             log.close()
@@ -255,6 +303,7 @@ PartitionName=smoke Nodes=ALL Default=YES MaxTime=60 State=UP
         finally:
             shutil.rmtree(self.dir, ignore_errors=True)
             self.dir = None
+            self.netns.remove()
 
     def _kill_leftovers(self) -> None:
         """Kill (by PID) every process whose environment names this cluster's slurm.conf: job steps,
@@ -290,7 +339,7 @@ PartitionName=smoke Nodes=ALL Default=YES MaxTime=60 State=UP
         return env
 
     def run(self, cmd: Sequence[str], check: bool = True, timeout: float = 30.0, **kw) -> subprocess.CompletedProcess:
-        r = subprocess.run(list(cmd), env=kw.pop("env", None) or self.env(), capture_output=True, text=True,
+        r = subprocess.run(self.netns.prefix + list(cmd), env=kw.pop("env", None) or self.env(), capture_output=True, text=True,
                            timeout=timeout, **kw)
         if check and r.returncode != 0:
             raise LocalSlurmError(f"{' '.join(cmd)} failed (exit {r.returncode}): {r.stdout}{r.stderr}")
