@@ -22,7 +22,8 @@ from parallel.volume import step_bytes  # noqa: E402
 from scripts.bench_layouts import MODEL, mib, worker  # noqa: E402
 from tests.dist_harness import run_world  # noqa: E402
 from tests.parallel_utils import tiny_config  # noqa: E402
-from training.memory import model_state_bytes  # noqa: E402
+from parallel.zero.units import meta_chunks  # noqa: E402
+from training.memory import COMPONENTS, model_state_bytes  # noqa: E402
 
 ROWS = [(0, "flat"), (1, "flat"), (2, "flat"), (3, "flat"), (1, "whole_tensor"), (2, "whole_tensor"),
         (3, "whole_tensor")]
@@ -46,6 +47,7 @@ def main() -> None:
             + f" | {'intra':>8} {'inter':>8} | {'agree':>5} | {'states meas':>11} {'est':>8}")
     print(head)
     print("-" * len(head))
+    states = []
     for stage, kind in ROWS:
         overrides = base + [f"zero.stage={stage}", f"zero.partition={kind}"]
         out = run_world(worker, args.world, overrides, args.steps, timeout=900)
@@ -60,6 +62,15 @@ def main() -> None:
               + " ".join(f"{mib(comm['by_kind'].get(k, 0)):>14}" for k in KINDS)
               + f" | {mib(comm['by_link']['intra'])} {mib(comm['by_link']['inter'])} | {'yes' if agree else 'NO':>5} |"
               f" {mib(measured):>11} {mib(estimated)}", flush=True)
+        states.append((stage, kind, out[0]["memory"], model_state_bytes(cfg, layout, 0)))
+    phi = sum(p.numel() for c in meta_chunks(cfg0, make_layout(cfg0, args.world, args.ranks_per_node), 0)
+              for p in c.parameters())
+    print(f"\nmodel states of rank 0, MiB measured / estimated (Phi = {phi / 1e6:.3f}M parameters, "
+          f"N = {args.world // (cfg0.parallel.tp * cfg0.parallel.pp)})")
+    print(f"{'stage':>5} {'partition':<12} " + " ".join(f"{k:>19}" for k in COMPONENTS) + f" {'bytes/Phi':>10}")
+    for stage, kind, meas, est in states:
+        print(f"{stage:>5} {kind:<12} " + " ".join(f"{mib(meas[k])}/{mib(est[k])}".rjust(19) for k in COMPONENTS)
+              + f" {sum(meas.values()) / phi:10.2f}")
 
 
 if __name__ == "__main__":
