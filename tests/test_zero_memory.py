@@ -73,3 +73,15 @@ def test_config_errors_name_the_zero_key(capsys, tmp_path):
         err = capsys.readouterr().err
         assert err.startswith("error: ") and expected in err, err
         assert len(err.strip().splitlines()) <= 2, err
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (4, ["zero.stage=3", "model.tie_embeddings=true"]),  # the tied embedding stays gathered through backward
+    (8, ["zero.stage=3", "parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=16"]),
+    (8, ["zero.stage=2", "parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=16"]),
+], ids=["stage3_tied", "stage3_pp2_vp2_dp2", "stage2_pp2_vp2_dp2_accumulating"])
+def test_estimator_follows_composed_layouts(world, overrides):
+    for r in run_world(measure_worker, world, ["precision=bf16"] + overrides):
+        measured, estimated = sum(r["measured"].values()), sum(r["estimated"].values())
+        assert abs(measured - estimated) <= 0.05 * estimated, (r["measured"], r["estimated"])
+        assert r["measured"]["working_peak"] > 0

@@ -10,10 +10,12 @@ compute / reduce dtype bytes; Phi = the rank's parameters)::
   stage 3   parameters S e_c, gradients S e_r, optimizer 12 S, plus the gathered working set ~ 16/N + working
 
 In fp32 the master copy is the parameter buffer itself, so the optimizer holds
-8 S. The stage-3 working set is what is gathered at once: two adjacent units'
-parameters (the current one and the prefetched one) plus two adjacent units'
-full gradients (the one filling and the one being reduce-scattered); stage 2
-holds two full unit gradients during backward, or every unit's while
+8 S. The stage-3 working set is the peak of what is gathered at once (the
+current module's units and the prefetched ones; a unit used by two modules, the
+embedding tied to the head on one stage, stays gathered through backward) plus
+the full gradients alive (the unit filling and the one being reduce-scattered),
+walked through one forward and one backward of each chunk (``_working_peak``);
+stage 2 holds two full unit gradients during backward, or every unit's while
 gradients accumulate over several micro-batches.
 
 Activations (seed 004 §memory, 16-bit): with a checkpoint every ``ci`` blocks,
@@ -27,6 +29,7 @@ from __future__ import annotations
 from typing import Dict, List
 
 from parallel.layout import Layout
+from parallel.schedule import train_schedule
 from parallel.zero.partition import shard_layout
 from parallel.zero.units import chunk_units, meta_chunks
 from training.config import Config
@@ -48,25 +51,50 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     master = 0 if cfg.precision == "fp32" else 4
     n = layout.dp
     out = dict.fromkeys(COMPONENTS, 0)
-    pairs_p: List[int] = [0]
-    pairs_g: List[int] = [0]
-    all_full_grads = 0
+    peaks, chunk_grads = [0], []
     for chunk in chunks:
-        shards = [shard_layout([p.numel() for p in u.params], n, z.partition).shard_size
-                  for u in chunk_units(chunk)[0]]
+        units, uses = chunk_units(chunk)
+        shards = [shard_layout([p.numel() for p in u.params], n, z.partition).shard_size for u in units]
         for s in shards:
             out["parameters"] += (n * s if z.stage < 3 else s) * e_c
             out["gradients"] += (n * s if z.stage == 1 else s) * e_r
             out["optimizer"] += (master + 8) * s
-            all_full_grads += n * s * e_r
-        sizes = shards + [0] if len(shards) == 1 else shards
-        pairs_p += [n * (a + b) * e_c for a, b in zip(sizes, sizes[1:])]
-        pairs_g += [n * (a + b) * e_r for a, b in zip(sizes, sizes[1:])]
-    if z.stage == 3:
-        out["working_peak"] = max(pairs_p) + max(pairs_g)
-    elif z.stage == 2:
-        out["working_peak"] = all_full_grads if layout.num_microbatches > 1 else max(pairs_g)
+        chunk_grads.append(sum(n * s * e_r for s in shards))
+        full_p = [n * s * e_c if z.stage == 3 else 0 for s in shards]
+        full_g = [n * s * e_r for s in shards]
+        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, z.stage == 3 and z.prefetch))
+    if z.stage == 3 or (z.stage == 2 and layout.num_microbatches == 1):
+        out["working_peak"] = max(peaks)
+    elif z.stage == 2:  # a chunk's full gradients live from its first backward of the step to its last
+        backwards = [a.chunk for a in train_schedule(layout.pp, layout.virtual_stages, layout.num_microbatches,
+                                                     pp_rank) if a.kind == "B"]
+        spans = [(backwards.index(c), len(backwards) - 1 - backwards[::-1].index(c)) for c in range(len(chunks))]
+        out["working_peak"] = max(sum(g for g, (a, b) in zip(chunk_grads, spans) if a <= t <= b)
+                                  for t in range(len(backwards)))
     return out
+
+
+def _working_peak(uses: List[List[int]], full_p: List[int], full_g: List[int], prefetch: bool) -> int:
+    """Peak bytes of gathered parameters plus full gradients during one forward and one backward of a chunk,
+    following ``parallel/zero/sharded.py``: a module's units are gathered before it runs (and the next
+    module's prefetched), released after its forward; in backward the gradient of a unit fills its full
+    buffer, and when the unit's first user (in forward order) has run backward the unit is released and
+    reduce-scattered, with one reduce-scatter in flight at a time."""
+    peak, gathered = 0, set()
+    for i, use in enumerate(uses):  # forward
+        gathered |= set(use) | (set(uses[i + 1]) if prefetch and i + 1 < len(uses) else set())
+        peak = max(peak, sum(full_p[u] for u in gathered))
+        gathered -= set(use)
+    first_use = {u: min(i for i, use in enumerate(uses) if u in use) for use in uses for u in use}
+    gathered, in_flight = set(), None
+    for i in reversed(range(len(uses))):  # backward
+        gathered |= set(uses[i]) | (set(uses[i - 1]) if prefetch and i > 0 else set())
+        for u in sorted((u for u in uses[i] if first_use[u] == i), reverse=True):
+            alive = full_g[u] + (full_g[in_flight] if in_flight is not None else 0)
+            peak = max(peak, sum(full_p[v] for v in gathered) + alive)
+            gathered.discard(u)
+            in_flight = u
+    return peak
 
 
 def activation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, int]:

@@ -211,11 +211,14 @@ class ZeroDataParallel:
         if unit.arrived < len(unit.params):
             return
         unit.arrived = 0
+        chunk = self._chunk_of[id(unit)]
         if self.stage == 3:
             self._release(unit)
             self._reduce(unit)
-        elif self._syncing[self._chunk_of[id(unit)]] and self.overlap:
+        elif self._syncing[chunk] and self.overlap:
             self._reduce(unit)
+        if self.stage >= 2 and unit is self.chunk_units[chunk][0]:
+            self._drain()  # the chunk's backward is over: nothing stays in flight across pipeline actions
 
     def _reduce(self, unit: Unit) -> None:
         """Launch the unit's gradient reduce-scatter (mean over DP)."""
