@@ -52,8 +52,8 @@ class ChunkedTensor(torch.Tensor):
 
     @staticmethod
     def __new__(cls, global_shape: Sequence[int], boxes: List[Tuple[Sequence[int], torch.Tensor]],
-                dtype: torch.dtype):
-        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(global_shape), dtype=dtype)
+                dtype: torch.dtype, device: torch.device):
+        r = torch.Tensor._make_wrapper_subclass(cls, torch.Size(global_shape), dtype=dtype, device=device)
         r._boxes = [(torch.Size(off), t) for off, t in boxes]
         return r
 
@@ -86,14 +86,12 @@ class ChunkedTensor(torch.Tensor):
 
 
 def shard_view(global_shape: Sequence[int], local_shape: Sequence[int], local_offset: Sequence[int],
-               pieces: List[Tuple[int, int, torch.Tensor]]) -> ChunkedTensor:
+               pieces: List[Tuple[int, int, torch.Tensor]], shard: torch.Tensor) -> ChunkedTensor:
     """The global tensor of which this rank holds ``pieces``: (start, end) flat ranges of its local (TP) tensor,
-    each with the 1-D shard slice holding those elements; ``local_offset`` places the local tensor globally."""
+    each with the slice of ``shard`` holding those elements; ``local_offset`` places the local tensor globally."""
     boxes = []
-    dtype = torch.float32
     for start, end, data in pieces:
-        dtype = data.dtype
         for off, sizes, a, b in range_to_boxes(local_shape, start, end):
             glob = tuple(o + lo for o, lo in zip(off, local_offset))
             boxes.append((glob, data[a - start:b - start].view(sizes)))
-    return ChunkedTensor(global_shape, boxes, dtype)
+    return ChunkedTensor(global_shape, boxes, shard.dtype, shard.device)

@@ -365,7 +365,8 @@ class ZeroDataParallel:
                     offset[spec.tp_dim] = self.mesh.tp_rank * local[spec.tp_dim]
                 sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
                 out[name] = {key: shard_view(spec.global_shape, local, offset,
-                                             [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]])
+                                             [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]],
+                                             sources[key])
                              for key in buffers}
         return out
 
