@@ -53,7 +53,7 @@ Copies = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
 def _qmax(bits: int) -> int:
-    if bits not in (4, 8) or isinstance(bits, bool):
+    if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
     return 127 if bits == 8 else 7
 
