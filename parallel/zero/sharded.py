@@ -173,6 +173,7 @@ class ZeroDataParallel:
                     p.register_post_accumulate_grad_hook(self._on_grad)
                 units.append(unit)
             self.chunk_units.append(units)
+            # the same module uses, holding this strategy's Unit objects instead of indices
             self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
