@@ -27,9 +27,8 @@ from parallel.pipeline import PipelineRunner
 from parallel.random import RNGTracker
 from parallel.zero.sharded import ZeroDataParallel
 from training.config import Config
-from training.optim import LossScaler, LRSchedule
+from training.optim import COMPUTE_DTYPES, LossScaler, LRSchedule
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 MAX_CONSECUTIVE_SKIPS = 50
 BatchFn = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 

@@ -30,11 +30,11 @@ from typing import Dict, List
 
 from parallel.layout import Layout
 from parallel.schedule import train_schedule
+from parallel.volume import DTYPE_BYTES
 from parallel.zero.partition import shard_layout
 from parallel.zero.units import chunk_units, meta_chunks
 from training.config import Config
 
-BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
 COMPONENTS = ("parameters", "gradients", "optimizer", "working_peak")
 
 
@@ -46,7 +46,7 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     if z.stage == 0:
         phi = sum(p.numel() for c in chunks for p in c.parameters())
         return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": 8 * phi, "working_peak": 0}
-    e_c = BYTES[cfg.precision]
+    e_c = DTYPE_BYTES[cfg.precision]
     e_r = e_c if z.reduce_dtype == "compute" else 4
     master = 0 if cfg.precision == "fp32" else 4
     n = layout.dp

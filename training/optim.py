@@ -12,6 +12,10 @@ from parallel.comm import Group
 from training.config import LossScaleConfig, TrainConfig
 
 
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
+"""The dtype each ``precision`` computes in."""
+
+
 def weight_decay_exempt(name: str, p: nn.Parameter) -> bool:
     """Norms (1-D) and biases (by name: fused biases are 2-D) get no weight decay."""
     return name.endswith("bias") or p.ndim < 2
@@ -91,6 +95,14 @@ def owns_gradient(p: nn.Parameter, tp_rank: int) -> bool:
     return spec.tp_dim is not None or tp_rank == 0
 
 
+def grad_factor(norm: float, loss_scale: float, max_norm: float) -> float:
+    """What to multiply gradients by: unscale, and clip to ``max_norm`` (0 = off) given the unscaled norm."""
+    factor = 1.0 / loss_scale
+    if max_norm > 0 and norm > max_norm:
+        factor *= max_norm / (norm + 1e-6)
+    return factor
+
+
 def unscale_and_clip(params: List[nn.Parameter], buffers: List[torch.Tensor], mp: Group, tp_rank: int,
                      loss_scale: float, max_norm: float) -> Tuple[float, bool]:
     """Global gradient norm over the model-parallel group, then one in-place pass that unscales and clips.
@@ -104,9 +116,7 @@ def unscale_and_clip(params: List[nn.Parameter], buffers: List[torch.Tensor], mp
     norm = sq.sqrt().item() / loss_scale
     if not math.isfinite(norm):
         return norm, False
-    factor = 1.0 / loss_scale
-    if max_norm > 0 and norm > max_norm:
-        factor *= max_norm / (norm + 1e-6)
+    factor = grad_factor(norm, loss_scale, max_norm)
     if factor != 1.0:
         for buf in buffers:
             buf.mul_(factor)

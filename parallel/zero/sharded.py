@@ -56,10 +56,9 @@ from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
 from training.config import Config
-from training.optim import owns_gradient, weight_decay_exempt
+from training.optim import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
 
 Ranges = List[Tuple[int, int]]
-DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 
 def _merge(ranges: Ranges) -> Ranges:
@@ -153,7 +152,7 @@ class ZeroDataParallel:
     def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
         z = cfg.zero
         self.cfg, self.mesh, self.stage = cfg, mesh, z.stage
-        self.compute_dtype = DTYPES[cfg.precision]
+        self.compute_dtype = COMPUTE_DTYPES[cfg.precision]
         reduce = self.compute_dtype if z.reduce_dtype == "compute" else torch.float32
         self.overlap = cfg.parallel.overlap_grad_reduce
         self.working = Working()
@@ -270,9 +269,7 @@ class ZeroDataParallel:
         norm = sq.sqrt().item() / loss_scale
         if not math.isfinite(norm):
             return norm, False
-        self._factor = 1.0 / loss_scale
-        if max_norm > 0 and norm > max_norm:
-            self._factor *= max_norm / (norm + 1e-6)
+        self._factor = grad_factor(norm, loss_scale, max_norm)
         return norm, True
 
     @torch.no_grad()
