@@ -140,4 +140,8 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
     if len(sizes) != 1:
         raise ConfigError(f"impossible parallel layout: data-parallel peers are spread unevenly over nodes "
                           f"(ranks_per_node={rpn}, {layout.describe()}); dp_intra sizes {sorted(sizes)}")
+    hpz, intra = cfg.zero.hpz_size, sizes.pop()
+    if hpz > 1 and intra % hpz:
+        raise ConfigError(f"impossible parallel layout: zero.hpz_size={hpz} does not divide the {intra} data-parallel "
+                          f"ranks per node (parallel.ranks_per_node={rpn}, parallel.tp={tp}, parallel.pp={pp})")
     return layout

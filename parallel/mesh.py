@@ -10,6 +10,7 @@ Groups (each a ``comm.Group`` sharing one byte ledger):
   dp_inter   DP peers with the same intra index (size Y) -- ZeRO++ qgZ step 4
   embedding  first + last pipeline stage (tied embeddings)
   mp         the model-parallel replica (all of pp x tp at this dp index)
+  dp_hpz     ZeRO++ hpZ: consecutive dp_intra peers (``hpz_group(size)``, built on request)
 
 The tp/pp/dp groups come from torch's DeviceMesh, which also serves DTensor-based
 checkpointing; the others are created with ``new_group`` in a fixed order on
@@ -47,6 +48,7 @@ class Mesh:
         self.dp_inter = self._new_groups("dp_inter", layout.dp_inter_ranks)
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
+        self._hpz: Dict[int, Group] = {}
 
     # -- construction -------------------------------------------------------------------------
     def _group(self, name: str, ranks: List[int], pg) -> Group:
@@ -67,6 +69,22 @@ class Mesh:
                 pg = created
         return self._group(name, mine, pg)
 
+    def hpz_group(self, size: int) -> Group:
+        """ZeRO++ hpZ's secondary-partition group: ``size`` consecutive DP peers of this rank's node.
+
+        Collective (every rank must call it, with the same size); built once per size."""
+        if size not in self._hpz:
+            if self.dp_intra.size % size:
+                raise ValueError(f"hpZ group size {size} does not divide the {self.dp_intra.size} DP ranks per node")
+
+            def members(rank: int) -> List[int]:
+                intra = self.layout.dp_intra_ranks(rank)
+                at = intra.index(rank) // size * size
+                return intra[at:at + size]
+
+            self._hpz[size] = self._new_groups("dp_hpz", members)
+        return self._hpz[size]
+
     # -- queries ------------------------------------------------------------------------------
     @property
     def is_first_stage(self) -> bool:
@@ -86,7 +104,7 @@ class Mesh:
 
     def groups(self) -> Dict[str, Group]:
         return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter,
-                                    self.embedding, self.mp)}
+                                    self.embedding, self.mp, *self._hpz.values())}
 
     def __repr__(self) -> str:
         return (f"Mesh(rank={self.rank}, pp={self.pp_rank}/{self.layout.pp}, dp={self.dp_rank}/{self.layout.dp}, "

@@ -97,11 +97,16 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
       stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
       stage 3     per micro-batch: all-gather (N-1) S e_c once per module that uses the unit in forward and
                   once more for backward (recomputation reuses the backward gather), reduce-scatter (N-1) S e_r
+      ZeRO++      (``parallel/zero/zeropp.py``) qwZ: a gather from primary shards sends quantized bytes instead;
+                  hpZ: only the step's first gather of a unit is from primary shards (on dp), every other is
+                  (H-1) N S / H e_c on dp_hpz; qgZ: units of at least qgz_min_numel elements reduce by the
+                  two all-to-alls (dp_intra, dp_inter) of ``QgzPlan`` instead of the reduce-scatter
       all         sequence-parallel gradient pieces in this rank's shards all-reduced over TP; the tied
                   embedding's gradient shard over first + last stage; the norm's square sum over the world
     (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
+    from parallel.zero.zeropp import QgzPlan, Quant, hpz_gather_bytes, qwz_gather_bytes
 
     z, n, t = cfg.zero, layout.dp, layout.tp
     e_c = DTYPE_BYTES[cfg.precision]
@@ -109,6 +114,9 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
     pp_rank, dp_rank, _ = layout.coords(rank)
     mb = layout.num_microbatches
     tie = cfg.model.tie_embeddings and layout.pp > 1
+    qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
+    qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
+    x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
     for chunk in meta_chunks(cfg, layout, pp_rank):
         units, uses = chunk_units(chunk)
@@ -116,8 +124,19 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
             if z.stage == 3:
-                gathers = sum(k in use.units for use in uses) + 1
-                out["dp"] += mb * ((n - 1) * s * (gathers * e_c + e_r))
+                gathers = mb * (sum(k in use.units for use in uses) + 1)
+                primary = qwz_gather_bytes(s, n, qwz) if qwz else (n - 1) * s * e_c
+                if z.hpz_size > 1:
+                    out["dp"] += primary
+                    out["dp_hpz"] += (gathers - 1) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
+                else:
+                    out["dp"] += gathers * primary
+                if qgz and n > 1 and n * s >= z.qgz_min_numel:
+                    intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages).bytes_per_rank()
+                    out["dp_intra"] += mb * intra
+                    out["dp_inter"] += mb * inter
+                else:
+                    out["dp"] += mb * (n - 1) * s * e_r
             else:
                 out["dp"] += (n - 1) * s * (e_c + e_r)
             sp = sum(b - a for i, a, b, _ in shard.owned(dp_rank) if unit.params[i].spec.sequence_parallel)

@@ -147,9 +147,6 @@ def test_every_error_is_reported_at_once() -> None:
 
 
 @pytest.mark.parametrize("overrides, words", [
-    (["zero.stage=3", "zero.quantized_weights=true"], ["zero.quantized_weights=True", "not implemented"]),
-    (["zero.stage=3", "zero.hpz_size=2"], ["zero.hpz_size=2", "not implemented"]),
-    (["zero.stage=3", "zero.quantized_gradients=true"], ["zero.quantized_gradients=True", "not implemented"]),
     (["precision=fp8"], ["precision=fp8", "not implemented"]),
 ])
 def test_unimplemented_features_say_so(overrides: list, words: list) -> None:
@@ -165,6 +162,12 @@ def test_unimplemented_features_say_so(overrides: list, words: list) -> None:
     (["zero.reduce_dtype=fp8"], ["zero.reduce_dtype='fp8'"]),
     (["zero.stage=2", "zero.hpz_size=4"], ["zero.hpz_size=4 needs zero.stage=3", "zero.stage=2"]),
     (["zero.stage=1", "zero.quantized_gradients=true"], ["zero.quantized_gradients=True needs zero.stage=3"]),
+    (["zero.stage=0", "zero.quantized_weights=true"], ["zero.quantized_weights=True needs zero.stage=3"]),
+    (["zero.stage=3", "zero.weight_bits=6"], ["zero.weight_bits=6 must be 4 or 8"]),
+    (["zero.stage=3", "zero.quantized_gradients=true", "zero.gradient_bits=2"], ["zero.gradient_bits=2 must be 4 or 8"]),
+    (["zero.stage=3", "zero.quant_block=7"], ["zero.quant_block=7"]),
+    (["zero.stage=3", "zero.qgz_stages=0"], ["zero.qgz_stages=0"]),
+    (["zero.stage=3", "zero.hpz_size=0"], ["zero.hpz_size=0"]),
 ])
 def test_bad_zero_options_name_key_and_value(overrides: list, words: list) -> None:
     msg = _invalid(*overrides)

@@ -112,11 +112,30 @@ class ZeroConfig:
     prefetch: bool = True
     """Stage 3: gather the next block's parameters while the current one computes (no effect below stage 3)."""
     quantized_weights: bool = False
-    """qwZ: int8 blockwise-quantized weight all-gather (needs stage 3; not implemented yet)."""
+    """ZeRO++ qwZ (stage 3): all-gather weights blockwise-quantized to zero.weight_bits, dequantized on arrival;
+    the persistent shard and the master weights are never quantized."""
+    weight_bits: int = 8
+    """qwZ bits per weight: 8 | 4."""
     hpz_size: int = 1
-    """hpZ: secondary weight partition group size, 1 = off (needs stage 3; not implemented yet)."""
+    """ZeRO++ hpZ (stage 3): keep a secondary copy of each block's gathered weights sharded over this many DP ranks
+    of one node, so backward (and later micro-batches) gather inside the node; 1 = off. Must divide the DP ranks
+    per node; costs (parameters / hpz_size) extra memory per rank."""
     quantized_gradients: bool = False
-    """qgZ: int4 hierarchical all-to-all gradient reduce-scatter (needs stage 3; not implemented yet)."""
+    """ZeRO++ qgZ (stage 3): reduce-scatter gradients by quantized hierarchical all-to-all (intra-node, then
+    inter-node, fp32 sums, one division by the DP size). A block whose gradient buffer has fewer than
+    zero.qgz_min_numel elements takes the plain reduce-scatter instead."""
+    gradient_bits: int = 4
+    """qgZ bits per gradient: 4 | 8."""
+    quant_block: int = 128
+    """qwZ / qgZ quantization block: consecutive values sharing one fp32 scale (even, >= 2)."""
+    qgz_stages: int = 2
+    """qgZ pipeline stages: the buffer is cut in this many chunks so the intra- and inter-node hops overlap."""
+    qgz_min_numel: int = 4096
+    """qgZ size threshold (elements of a block's padded gradient buffer): smaller buffers take the plain
+    reduce-scatter, by rule, in the trainer and in the analytic byte counts alike."""
+    quant_error_interval: int = 0
+    """Every this many steps, log the relative error qwZ / qgZ introduced (gathered weights vs their shards;
+    reduced gradients vs an extra unquantized reduce-scatter, whose bytes are counted); 0 = off."""
 
 
 @dataclass
@@ -377,10 +396,17 @@ def validate_config(cfg: Config) -> None:
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), f"zero.stage={z.stage} is not one of [0, 1, 2, 3]")
     need(z.hpz_size >= 1, f"zero.hpz_size={z.hpz_size} must be >= 1")
-    for key in ("zero.quantized_weights", "zero.hpz_size", "zero.quantized_gradients"):
-        value, default = _get(cfg, key), _get(Config(), key)
-        if value != default:
-            need(False, f"{key}={value} needs zero.stage=3 (got zero.stage={z.stage})" if z.stage != 3 else
-                 f"{key}={value}: ZeRO++ is not implemented yet (ZeRO stages 0-3 are)")
+    zeropp = {"zero.quantized_weights": z.quantized_weights, "zero.hpz_size": z.hpz_size,
+              "zero.quantized_gradients": z.quantized_gradients}
+    for key, value in zeropp.items():
+        need(z.stage == 3 or value == _get(Config(), key),
+             f"{key}={value} needs zero.stage=3 (got zero.stage={z.stage})")
+    for key in ("zero.weight_bits", "zero.gradient_bits"):
+        need(_get(cfg, key) in (4, 8), f"{key}={_get(cfg, key)} must be 4 or 8")
+    need(z.quant_block >= 2 and z.quant_block % 2 == 0,
+         f"zero.quant_block={z.quant_block} must be an even number >= 2")
+    need(z.qgz_stages >= 1, f"zero.qgz_stages={z.qgz_stages} must be >= 1")
+    need(z.qgz_min_numel >= 0, f"zero.qgz_min_numel={z.qgz_min_numel} must be >= 0")
+    need(z.quant_error_interval >= 0, f"zero.quant_error_interval={z.quant_error_interval} must be >= 0")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

@@ -55,6 +55,7 @@ from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
+from parallel.zero.zeropp import QgzReduce, Quant, QuantizedGather
 from training.config import Config
 from training.optim import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
 
@@ -89,7 +90,7 @@ class Unit:
     """One unit's buffers on this rank; see the module docstring for what each stage keeps."""
 
     def __init__(self, spec: UnitSpec, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int, kind: str,
-                 compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool):
+                 compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool, hpz: int = 1):
         self.name, self.params, self.stage, self.working, self.tied = spec.name, spec.params, stage, working, tied
         self.names = [names[p] for p in self.params]
         dp = mesh.dp
@@ -135,6 +136,9 @@ class Unit:
         self.reduced = False  # this step's reduce-scatter launched
         self.gathered = stage < 3
         self.gather_work = None
+        # hpZ: this rank's slice of the gathered buffer, valid from a forward until the next optimizer step
+        self.secondary = torch.zeros(n * s // hpz, dtype=compute, device=mesh.device) if hpz > 1 else None
+        self.secondary_valid = False
 
     @property
     def full_bytes(self) -> int:
@@ -156,6 +160,10 @@ class ZeroDataParallel:
         reduce = self.compute_dtype if z.reduce_dtype == "compute" else torch.float32
         self.overlap = cfg.parallel.overlap_grad_reduce
         self.working = Working()
+        # ZeRO++ (stage 3 only; config validation refuses them below)
+        self.qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
+        self.qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
+        self.hpz = mesh.hpz_group(z.hpz_size) if z.hpz_size > 1 else None
         tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
         self.chunk_units: List[List[Unit]] = []
         self.chunk_uses: List[List[ModuleUse]] = []
@@ -166,7 +174,7 @@ class ZeroDataParallel:
             for spec in specs:
                 tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
                 unit = Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
-                            tied)
+                            tied, z.hpz_size)
                 for i, p in enumerate(unit.params):
                     self._where[p] = (unit, i)
                     p.register_post_accumulate_grad_hook(self._on_grad)
@@ -226,11 +234,19 @@ class ZeroDataParallel:
         if self.stage >= 2:
             self._drain()  # one in flight: bounds the full-gradient buffers alive at once
         buf = unit.grad_full
-        buf.div_(self.mesh.dp.size)
         if self.stage >= 2:
             unit.grad_full = None  # the buffer travels with its reduce-scatter and is freed on arrival
         out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
-        self._launched.append((unit, comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True), out, buf))
+        if self._quantized_reduce(buf):
+            work = QgzReduce(out, buf, self.mesh.dp_intra, self.mesh.dp_inter, self.qgz, self.cfg.zero.qgz_stages)
+        else:
+            buf.div_(self.mesh.dp.size)
+            work = comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True)
+        self._launched.append((unit, work, out, buf))
+
+    def _quantized_reduce(self, buf: torch.Tensor) -> bool:
+        """qgZ for this buffer? (on, more than one DP rank, and not below the size threshold)"""
+        return self.qgz is not None and self.mesh.dp.size > 1 and buf.numel() >= self.cfg.zero.qgz_min_numel
 
     def _drain(self) -> None:
         for unit, work, out, buf in self._launched:
@@ -284,6 +300,7 @@ class ZeroDataParallel:
                 u.shard.copy_(u.master)
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
+            u.secondary_valid = False  # hpZ: the next forward gathers the updated primary shards
 
     # -- stage 3: gather before use, release after --------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -291,7 +308,12 @@ class ZeroDataParallel:
             return
         unit.full.untyped_storage().resize_(unit.full_bytes)
         self.working.add(unit.full_bytes)
-        unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
+        if unit.secondary_valid:  # hpZ: inside the node
+            unit.gather_work = comm.all_gather(unit.full, unit.secondary, self.hpz, async_op=True)
+        elif self.qwz is not None and self.mesh.dp.size > 1:
+            unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz)
+        else:
+            unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
@@ -336,6 +358,10 @@ class ZeroDataParallel:
         if _in_backward():
             return None  # a recomputation: the backward that follows needs the weights
         for unit in use.units:
+            if unit.secondary is not None and not unit.secondary_valid:  # hpZ: keep this rank's slice
+                n = unit.secondary.numel()
+                unit.secondary.copy_(unit.full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
+                unit.secondary_valid = True
             self._release(unit)
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(partial(self._pre_backward, chunk, use))
@@ -379,6 +405,7 @@ class ZeroDataParallel:
                 u.shard.copy_(u.master)
             if self.stage < 3:
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
+            u.secondary_valid = False
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
         """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""
@@ -407,7 +434,7 @@ class ZeroDataParallel:
                 total += st.nbytes()
             return total
 
-        params = sum(size(u.full if self.stage < 3 else u.shard) for u in self.units)
+        params = sum(size(u.full if self.stage < 3 else u.shard, u.secondary) for u in self.units)
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
         optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}

@@ -1,0 +1,206 @@
+"""ZeRO++ (SPEC §3, paper 003): the three changes to ZeRO-3's communication.
+
+**qwZ** (``zero.quantized_weights``): the stage-3 all-gather of a unit's weights
+sends each rank's shard blockwise-quantized (int8 by default, int4 optional;
+``kernels/quant.py``) with its fp32 scales packed behind the payload in one uint8
+buffer, so one all-gather carries both. Every rank dequantizes all pieces,
+its own included, so all ranks compute with identical weights. The persistent
+shard and the fp32 master weights are never quantized.
+
+**hpZ** (``zero.hpz_size`` = H > 1): after a unit's forward, before the gathered
+weights are released, rank h of its hpZ group (H consecutive DP ranks of one
+node) keeps slice h of the gathered buffer (``N*S/H`` elements, compute dtype) as
+a *secondary* shard. Every later gather of the unit until the next optimizer step
+(backward, recomputation, the other micro-batches' forwards, validation) is an
+all-gather of secondary shards inside the node. The secondary copy is the
+gathered forward weights as they were used (with qwZ, the dequantized ones:
+forward and backward see the same weights; it is never re-quantized), and it is a
+slice of the unit's flat buffer, never of one tensor, so a tiny tensor cannot
+leave a rank with an empty piece. ``step`` and ``after_load`` invalidate it; the
+next forward gathers from the primary shards again.
+
+**qgZ** (``zero.quantized_gradients``): the gradient reduce-scatter of a unit over
+the P = X*Y DP ranks (X per node, Y nodes; DP rank p = node*X + local) becomes
+
+  1-2. ``reorder_and_quantize``: pad by rule, reorder the P partitions so local
+       rank l's group [l, X+l, ..., (Y-1)X+l] is contiguous (per pipeline stage),
+       quantize (int4 by default) and all-to-all over ``dp_intra``;
+  3.   ``dequant_sum_requant`` of the X received copies (fp32 sum);
+  4.   all-to-all over ``dp_inter`` (slot j goes to node j), ``dequant_sum``;
+  5.   divide by P once: the mean over all DP ranks.
+
+The buffer is cut into ``zero.qgz_stages`` = S stages (the generalized reordering,
+paper Algorithm 2): all intra-node all-to-alls are launched at once, and stage s's
+inter-node all-to-all is in flight while stage s+1 is summed and re-quantized.
+One node (Y = 1) is one intra-node all-to-all and a dequantize-sum; one rank per
+node (X = 1) quantizes once and does only the inter-node hop. The groups are those
+of this rank's (pp, tp) coordinate, so qgZ composes with TP and PP. Units whose
+gradient buffer has fewer than ``zero.qgz_min_numel`` elements take the plain
+reduce-scatter (latency of two hops beats the bytes saved); the rule is the same in
+the analytic volume.
+
+Byte counts per rank (the ledger's convention, ``parallel/comm.py``), for a unit of
+N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``qgz_bytes``.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import List, Optional, Tuple
+
+import torch
+
+from kernels.ops import quant_ops
+from kernels.quant import n_blocks, payload_nbytes, qgz_slice_sizes
+from parallel import comm
+
+
+@dataclass(frozen=True)
+class Quant:
+    bits: int
+    block: int
+
+    def wire_nbytes(self, numel: int) -> int:
+        """Bytes of ``numel`` values on the wire: payload plus one fp32 scale per block."""
+        return payload_nbytes(numel, self.bits, self.block) + 4 * n_blocks(numel, self.block)
+
+
+def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    return torch.cat([payload, scales.view(torch.uint8)])
+
+
+def _unpack(rows: torch.Tensor, payload_bytes: int) -> Tuple[torch.Tensor, torch.Tensor]:
+    """k packed rows -> (k x payload bytes, k x scales fp32), contiguous."""
+    return rows[:, :payload_bytes].contiguous(), rows[:, payload_bytes:].contiguous().view(torch.float32)
+
+
+# -- qwZ ------------------------------------------------------------------------------------------
+class QuantizedGather:
+    """All-gather of every rank's quantized shard into ``full`` (dequantized on ``wait``)."""
+
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group, q: Quant):
+        self.full, self.q, self.n, self.g = full, q, shard.numel(), group.size
+        self.ops = quant_ops(shard.device)
+        payload, scales = self.ops.quantize_blockwise(shard, q.bits, q.block)
+        self.payload_bytes = payload.numel()
+        send = _pack(payload, scales)
+        self.recv = torch.empty(self.g * send.numel(), dtype=torch.uint8, device=shard.device)
+        self.work = comm.all_gather(self.recv, send, group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        payloads, scales = _unpack(self.recv.view(self.g, -1), self.payload_bytes)
+        nb = scales.shape[1]
+        values = self.ops.dequantize_blockwise(payloads.reshape(-1), scales.reshape(-1), self.q.bits, self.q.block,
+                                               self.g * nb * self.q.block, self.full.dtype)
+        self.full.view(self.g, self.n).copy_(values.view(self.g, nb * self.q.block)[:, :self.n])
+        self.recv = None
+
+
+def qwz_gather_bytes(shard: int, world: int, q: Quant) -> int:
+    """Per-rank bytes of one quantized all-gather of ``shard``-element shards over ``world`` ranks."""
+    return (world - 1) * q.wire_nbytes(shard) if world > 1 else 0
+
+
+# -- hpZ ------------------------------------------------------------------------------------------
+def hpz_gather_bytes(full_numel: int, hpz: int, element_size: int) -> int:
+    """Per-rank bytes of one all-gather of secondary shards (``full_numel / hpz`` elements each)."""
+    return (hpz - 1) * (full_numel // hpz) * element_size if hpz > 1 else 0
+
+
+# -- qgZ ------------------------------------------------------------------------------------------
+@dataclass(frozen=True)
+class QgzPlan:
+    """Sizes of one qgZ reduce of ``numel`` elements over X x Y ranks in ``stages`` stages."""
+
+    numel: int
+    x: int
+    y: int
+    q: Quant
+    stages: int
+
+    @property
+    def shard(self) -> int:
+        return qgz_slice_sizes(self.numel, self.x, self.y, self.q.block, self.stages)[0]
+
+    @property
+    def sub(self) -> int:
+        """Elements of one partition's sub-slice per stage."""
+        return qgz_slice_sizes(self.numel, self.x, self.y, self.q.block, self.stages)[1] // self.stages
+
+    def slot_bytes(self) -> Tuple[int, int]:
+        """(payload bytes, scale bytes) of one slot (a partition's sub-slice of one stage)."""
+        return payload_nbytes(self.sub, self.q.bits, self.q.block), 4 * n_blocks(self.sub, self.q.block)
+
+    def bytes_per_rank(self) -> Tuple[float, float]:
+        """(intra-node, inter-node) bytes this rank sends, ledger convention."""
+        pb, sb = self.slot_bytes()
+        slot = pb + sb
+        intra = (self.x - 1) / self.x * self.stages * self.x * self.y * slot if self.x > 1 else 0.0
+        inter = (self.y - 1) / self.y * self.stages * self.y * slot if self.y > 1 else 0.0
+        return intra, inter
+
+
+class QgzReduce:
+    """qgZ steps 1-5 for one gradient buffer; ``wait`` leaves the DP mean of this rank's shard in ``out``.
+
+    The intra-node all-to-alls start at construction (overlapping whatever the caller does next);
+    ``wait`` runs steps 3-5, stage by stage, with stage s's inter-node hop in flight during stage s+1's
+    sum and re-quantization.
+    """
+
+    def __init__(self, out: torch.Tensor, buf: torch.Tensor, intra: comm.Group, inter: comm.Group, q: Quant,
+                 stages: int):
+        self.out, self.intra, self.inter, self.q = out, intra, inter, q
+        self.plan = QgzPlan(buf.numel(), intra.size, inter.size, q, stages)
+        if self.plan.shard != out.numel():
+            raise ValueError(f"qgZ: a buffer of {buf.numel()} elements over {intra.size}x{inter.size} ranks "
+                             f"has shards of {self.plan.shard}, not {out.numel()}")
+        self.ops = quant_ops(buf.device)
+        x, y, s = intra.size, inter.size, stages
+        pb, sb = self.plan.slot_bytes()
+        payload, scales = self.ops.reorder_and_quantize(buf, x, y, q.bits, q.block, s)
+        # per stage: X rows (one per local destination) of [Y slots' payload | Y slots' scales]
+        self.send = torch.cat([payload.view(s, x, y * pb), scales.view(torch.uint8).view(s, x, y * sb)], dim=2)
+        self.recv = torch.empty_like(self.send) if x > 1 else self.send
+        self.intra_work = [comm.all_to_all(self.recv[k], self.send[k], intra, async_op=True) if x > 1 else None
+                           for k in range(s)]
+
+    def _group_of_stage(self, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Step 3 for stage k: the Y slots of this rank's group, summed over the node (payload, scales)."""
+        x, y = self.plan.x, self.plan.y
+        pb, sb = self.plan.slot_bytes()
+        if self.intra_work[k] is not None:
+            self.intra_work[k].wait()
+        rows = self.recv[k]  # x rows: the copy from each local peer (x = 1: our own data)
+        payloads, scales = rows[:, :y * pb].contiguous(), rows[:, y * pb:].contiguous().view(torch.float32)
+        if x == 1:
+            return payloads[0], scales[0]
+        return self.ops.dequant_sum_requant(payloads, scales, self.q.bits, self.q.block, y * self.plan.sub,
+                                            self.q.bits)
+
+    def wait(self) -> None:
+        x, y, s, sub = self.plan.x, self.plan.y, self.plan.stages, self.plan.sub
+        pb, sb = self.plan.slot_bytes()
+        total = torch.empty(s * sub, dtype=torch.float32, device=self.out.device)
+        if y == 1:  # one node: the intra-node all-to-all was the whole reduction
+            for k in range(s):
+                self.intra_work[k].wait()
+                payloads, scales = _unpack(self.recv[k], pb)
+                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
+                                                                    sub)
+        else:
+            pending: List[Optional[tuple]] = []
+            for k in range(s):
+                payload, scales = self._group_of_stage(k)
+                send = torch.cat([payload.view(y, pb), scales.view(torch.uint8).view(y, sb)], dim=1)
+                recv = torch.empty_like(send)
+                pending.append((comm.all_to_all(recv, send, self.inter, async_op=True), recv))
+            for k, (work, recv) in enumerate(pending):
+                work.wait()
+                payloads, scales = _unpack(recv, pb)
+                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
+                                                                    sub)
+        total = total[:self.plan.shard]
+        total.div_(x * y)  # step 5: the mean over all P ranks, divided once
+        self.out.copy_(total)
+        self.send = self.recv = None
