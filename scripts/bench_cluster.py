@@ -477,11 +477,18 @@ def run_row(cluster: Cluster, row: Row, args, workdir: Path, port: int) -> dict:
     else:
         counted = inter_rank0 * world
         counted_how = f"rank 0 x {world}"
+    kinds = sorted({k for r in steady for k in r["comm"].get("by_kind_link", {}) if k.endswith("/inter")})
+    by_kind = {k.split("/")[0]: statistics.median(r["comm"].get("by_kind_link", {}).get(k, 0) for r in steady)
+               for k in kinds}
+    if not by_kind:  # fsdp2_peer.py: by_kind holds inter and intra together; its inter bytes are by_link
+        by_kind = {k: statistics.median(r["comm"]["by_kind"].get(k, 0) for r in steady)
+                   for k in steady[0]["comm"].get("by_kind", {})}
     wire = sum(tx)
     busiest = max(max(a, b) for a, b in zip(rx, tx))  # full duplex: each direction of each node link is a link
     lower_bound = busiest * 8 / cluster.rate_bps
     out.update({"step_time_s": step_time, "tokens_per_s": tokens / step_time, "counted_inter_bytes": counted,
                 "counted_how": counted_how, "counted_inter_rank0": inter_rank0, "wire_bytes": wire,
+                "counted_rank0_by_kind": by_kind,
                 "wire_tx_by_node": tx, "wire_rx_by_node": rx, "busiest_direction_bytes": busiest,
                 "lower_bound_s": lower_bound, "ratio_to_bound": step_time / lower_bound if lower_bound else None,
                 "steps_measured": n, "loss_last": last.get("loss"),
@@ -517,6 +524,14 @@ def table(results: List[dict], cluster: Cluster, args) -> str:
                      f"| {mib(r['counted_inter_bytes'])} ({r['counted_how']}) | {mib(r['wire_bytes'])} "
                      f"| {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {r['lower_bound_s']:.3f} "
                      f"| {r['ratio_to_bound']:.2f} | {cv} | {wv} |")
+    kinds = sorted({k for r in results if "error" not in r for k in r["counted_rank0_by_kind"]})
+    lines += ["", "rank 0's counted bytes per step by kind, MiB (trainer rows: inter-node groups only; FSDP2 rows: "
+              "every group, of which hybrid's all-gather and reduce-scatter stay inside a node)", "",
+              "| row | " + " | ".join(kinds) + " |", "|" + "---|" * (len(kinds) + 1)]
+    for r in results:
+        if "error" not in r:
+            lines.append(f"| {r['what']} | " + " | ".join(mib(r["counted_rank0_by_kind"].get(k, 0)) for k in kinds)
+                         + " |")
     return "\n".join(lines)
 
 
@@ -600,6 +615,7 @@ def probe_worker(argv: Sequence[str]) -> int:
                 dist.barrier()
                 time.sleep(0.3)  # let the last ACKs of what came before pass
                 before = counters()
+                dist.barrier()  # no rank of this node may send before its reader has read
                 t0 = time.perf_counter()
                 for _ in range(iters):
                     op()
