@@ -157,6 +157,8 @@ class Cluster:
     nodes: int = 2
     rate: str = "100mbit"
     delay: str = "1ms"
+    gso: bool = False
+    """Keep the veths' 64 KiB GSO packets (less CPU at high rates; wire bytes then hold fewer headers)."""
     tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
     netns: List[str] = field(default_factory=list)
     holders: List[subprocess.Popen] = field(default_factory=list)
@@ -226,9 +228,15 @@ class Cluster:
         for i in range(self.nodes):
             ns = self.node_ns(i)
             _run([self.ip, "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFACE])
+            # one IP/TCP header per MTU-sized frame, as a NIC puts on the wire (veths pass 64 KiB GSO packets;
+            # tbf would split them only when they exceed its burst, i.e. at some rates and not at others)
+            if not self.gso:
+                _run([self.ip, "-n", ns, "link", "set", IFACE, "gso_max_segs", "1"])
             _run([self.ip, "-n", ns, "link", "set", IFACE, "up"])
             self._shape(ns, IFACE, with_delay=True)
             if self.nodes > 2:
+                if not self.gso:
+                    _run([self.ip, "-n", self.bridge_ns, "link", "set", f"p{i}", "gso_max_segs", "1"])
                 self._shape(self.bridge_ns, f"p{i}", with_delay=False)
         if self.delay_s > 0 and not self.delay_emulated:
             self.notes.append(f"delay {self.delay} NOT emulated: this kernel has no sch_netem "
@@ -439,20 +447,42 @@ def error_line(logs: Sequence[Path]) -> str:
     return "failed (see logs)"
 
 
-def run_row(cluster: Cluster, row: Row, args, workdir: Path, port: int) -> dict:
+def loadavg() -> str:
+    try:
+        with open("/proc/loadavg") as f:
+            return " ".join(f.read().split()[:3])
+    except OSError:
+        return "?"
+
+
+def combine(runs: List[dict]) -> dict:
+    """Rounds of one row -> one: medians of the step time and of the bytes, the spread of the step time."""
+    good = [r for r in runs if "error" not in r]
+    if not good:
+        return runs[0]
+    out = dict(good[0])
+    for key in ("step_time_s", "tokens_per_s", "wire_bytes", "lower_bound_s", "counted_inter_bytes"):
+        out[key] = statistics.median(r[key] for r in good)
+    out["ratio_to_bound"] = out["step_time_s"] / out["lower_bound_s"] if out["lower_bound_s"] else None
+    out["rounds"] = [{k: r.get(k) for k in ("step_time_s", "wire_bytes", "loadavg", "error")} for r in runs]
+    return out
+
+
+def run_row(cluster: Cluster, row: Row, args, workdir: Path, port: int, run_dir_name: str) -> dict:
     world = cluster.nodes * args.ranks_per_node
-    run_dir = workdir / row.name
+    run_dir = workdir / run_dir_name
     overrides = common_overrides(args, run_dir, world)
     script = ["train.py"] if row.script == "train" else ["scripts/fsdp2_peer.py"]
     sampler = Sampler(cluster)
     sampler.start()
     t0 = time.monotonic()
     try:
-        codes, logs = launch(cluster, args.ranks_per_node, port, script + row.args + overrides, workdir, row.name,
+        codes, logs = launch(cluster, args.ranks_per_node, port, script + row.args + overrides, workdir, run_dir_name,
                              args.row_timeout)
     finally:
         sampler.stop()
-    out = {"row": row.name, "what": row.what, "wall_s": time.monotonic() - t0, "logs": [str(p) for p in logs]}
+    out = {"row": row.name, "what": row.what, "wall_s": time.monotonic() - t0, "logs": [str(p) for p in logs],
+           "loadavg": loadavg()}
     if any(c != 0 for c in codes):
         out["error"] = error_line(logs) if any(c is not None for c in codes) else f"timed out ({args.row_timeout}s)"
         return out
@@ -520,7 +550,11 @@ def table(results: List[dict], cluster: Cluster, args) -> str:
             continue
         cv = f"{r['counted_inter_bytes'] / base['counted_inter_bytes']:.3f}" if base else "-"
         wv = f"{r['wire_bytes'] / base['wire_bytes']:.3f}" if base else "-"
-        lines.append(f"| {r['what']} | {r['step_time_s']:.3f} | {r['tokens_per_s']:.0f} "
+        spread = ""
+        if len(r.get("rounds", [])) > 1:
+            ts = [x["step_time_s"] for x in r["rounds"] if x.get("step_time_s") is not None]
+            spread = f" ({min(ts):.2f}-{max(ts):.2f})"
+        lines.append(f"| {r['what']} | {r['step_time_s']:.3f}{spread} | {r['tokens_per_s']:.0f} "
                      f"| {mib(r['counted_inter_bytes'])} ({r['counted_how']}) | {mib(r['wire_bytes'])} "
                      f"| {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {r['lower_bound_s']:.3f} "
                      f"| {r['ratio_to_bound']:.2f} | {cv} | {wv} |")
@@ -539,9 +573,12 @@ def header(cluster: Cluster, args) -> str:
     world = cluster.nodes * args.ranks_per_node
     extra = " ".join(kv for group in args.model for kv in group)
     lines = [f"{cluster.nodes} nodes x {args.ranks_per_node} ranks (dp {world}), link {cluster.rate} "
-             f"(tbf, each direction), delay {cluster.delay if cluster.delay_emulated else '0 (not emulated)'}; "
+             f"(tbf, each direction, {'GSO packets' if cluster.gso else 'MTU frames'}), delay {cluster.delay if cluster.delay_emulated else '0 (not emulated)'}; "
              f"bf16, {' '.join(MODEL)}, global batch {2 * world} x seq {cluster_seq_len(args)}"
              + (f", {extra}" if extra else "") + f"; {args.steps} steps, median over steps > {args.skip}"]
+    if args.repeat > 1:
+        lines.append(f"{args.repeat} rounds over the rows, interleaved: medians over rounds, (min-max) of the "
+                     "rounds' step-time medians")
     lines += [f"note: {n}" for n in cluster.notes]
     lines.append("counted = comm.by_link.inter (parallel/comm.py per-rank convention) summed over ranks; "
                  "wire = tx bytes of every node's veth0 per step (IP+TCP headers included), steps "
@@ -707,6 +744,9 @@ def parse_args(argv):
     p.add_argument("--ranks-per-node", type=int, default=2)
     p.add_argument("--rate", default="100mbit", help="link rate, tc syntax (each direction of each node link)")
     p.add_argument("--delay", default="1ms", help="one-way delay per direction (needs sch_netem; else not applied)")
+    p.add_argument("--gso", action="store_true",
+                   help="keep 64 KiB GSO packets on the veths (default: MTU frames, one header each, as on a NIC; "
+                        "costs CPU at 1gbit and above)")
     p.add_argument("--steps", type=int, default=8, help="train.max_steps of every row")
     p.add_argument("--skip", type=int, default=2, help="steps left out of the medians and the wire window")
     p.add_argument("--rows", default=DEFAULT_ROWS,
@@ -715,6 +755,8 @@ def parse_args(argv):
                    help="config overrides passed to every row, e.g. --model model.n_layers=2 model.d_model=512")
     p.add_argument("--keep-logs", action="store_true", help="keep run dirs and logs (printed at the end)")
     p.add_argument("--workdir", help="where run dirs and logs go (default: a temporary directory)")
+    p.add_argument("--repeat", type=int, default=1,
+                   help="rounds over the rows (interleaved); the table shows medians over rounds and the spread")
     p.add_argument("--row-timeout", type=float, default=600.0)
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--probe", action="store_true", help="measure wire bytes per ledger byte of each collective")
@@ -748,7 +790,7 @@ def main(argv=None) -> int:
     old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(args.nodes, args.rate, args.delay)
+    cluster = Cluster(args.nodes, args.rate, args.delay, gso=args.gso)
     results: List[dict] = []
     try:
         with cluster:
@@ -763,16 +805,22 @@ def main(argv=None) -> int:
                 if args.json:
                     Path(args.json).write_text(json.dumps({"probe": res}, indent=1))
                 return 0
-            for k, name in enumerate(names):
-                print(f"[bench_cluster] row {name} ...", flush=True)
-                r = run_row(cluster, table_rows[name], args, workdir, MASTER_PORT + k)
-                results.append(r)
-                if "error" in r:
-                    print(f"[bench_cluster]   {name}: {r['error']}", flush=True)
-                else:
-                    print(f"[bench_cluster]   {name}: {r['step_time_s']:.3f} s/step, counted "
-                          f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
-                          f"wall {r['wall_s']:.0f} s", flush=True)
+            runs: Dict[str, List[dict]] = {n: [] for n in names}
+            for rep in range(args.repeat):
+                for k, name in enumerate(names):
+                    tag = f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+                    print(f"[bench_cluster] row {name}{tag} ...", flush=True)
+                    run_dir_name = name if args.repeat == 1 else f"{name}.{rep}"
+                    r = run_row(cluster, table_rows[name], args, workdir, MASTER_PORT + rep * len(names) + k,
+                                run_dir_name)
+                    runs[name].append(r)
+                    if "error" in r:
+                        print(f"[bench_cluster]   {name}: {r['error']}", flush=True)
+                    else:
+                        print(f"[bench_cluster]   {name}: {r['step_time_s']:.3f} s/step, counted "
+                              f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
+                              f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
+            results = [combine(runs[n]) for n in names]
             print()
             print(header(cluster, args))
             print()
