@@ -33,7 +33,8 @@ Exact fp32 arithmetic (what makes the bits match the reference):
   into one FMA (the reference rounds the product and the sum separately).
 * fp32 -> bf16 output is rounded to nearest even by integer ops on the fp32 bits
   (``_fp32_to_bf16_bits``); the interpreter's own fp32 -> bf16 cast truncates.
-  bf16 and fp16 inputs widen to fp32 exactly (bf16 is read as bf16).
+  bf16 input is widened from its bits (``_load_fp32``; bf16 is read as bf16, never as
+  fp16, and the interpreter's own bf16 -> fp32 cast flushes subnormals); fp16 by ``.to``.
 """
 from __future__ import annotations
 
@@ -54,6 +55,17 @@ _FLT_MAX: tl.constexpr = 3.4028234663852886e38
 
 
 # ----------------------------------------------------------------------------- device helpers
+@triton.jit
+def _load_fp32(ptr, offsets, mask, IN_BF16: tl.constexpr):
+    """Load x[offsets] as fp32 (masked lanes 0). bf16 arrives as its int16 bit view and is
+    widened by shifting the bits (exact, subnormals included)."""
+    if IN_BF16:
+        bits = tl.load(ptr + offsets, mask=mask, other=0).to(tl.int32) & 0xFFFF
+        return (bits << 16).to(tl.float32, bitcast=True)
+    else:
+        return tl.load(ptr + offsets, mask=mask, other=0.0).to(tl.float32)
+
+
 @triton.jit
 def _round_half_even(y):
     """Round fp32 values (|y| < 2**22) to the nearest integer, ties to even; exact."""
@@ -132,11 +144,11 @@ def _fp32_to_bf16_bits(v):
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, block,
-                     BITS: tl.constexpr, QMAX: tl.constexpr, P2: tl.constexpr):
+                     BITS: tl.constexpr, QMAX: tl.constexpr, IN_BF16: tl.constexpr, P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, P2)
     idx = b * block + offs
-    x = tl.load(x_ptr + idx, mask=(offs < block) & (idx < numel), other=0.0).to(tl.float32)
+    x = _load_fp32(x_ptr, idx, (offs < block) & (idx < numel), IN_BF16)
     q, scale = _quantize_values(x, QMAX)
     _store_codes(payload_ptr, b, block, q, BITS, P2)
     tl.store(scales_ptr + b, scale)
@@ -159,7 +171,8 @@ def _dequantize_kernel(payload_ptr, scales_ptr, out_ptr, numel, block,
 @triton.jit
 def _reorder_quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, shard, sub, block,
                              blocks_per_slot, n_x, n_y, stages,
-                             BITS: tl.constexpr, QMAX: tl.constexpr, P2: tl.constexpr):
+                             BITS: tl.constexpr, QMAX: tl.constexpr, IN_BF16: tl.constexpr,
+                             P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # Output block b -> slot; invert qgz_slot: slot = s*P + (p % X)*Y + p // X.
     slot = b // blocks_per_slot
@@ -173,7 +186,7 @@ def _reorder_quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, shard, sub, 
     pos = stage * sub + within * block + offs
     src = part * shard + pos
     valid = (offs < block) & (pos < shard) & (src < numel)
-    x = tl.load(x_ptr + src, mask=valid, other=0.0).to(tl.float32)
+    x = _load_fp32(x_ptr, src, valid, IN_BF16)
     q, scale = _quantize_values(x, QMAX)
     _store_codes(payload_ptr, b, block, q, BITS, P2)
     tl.store(scales_ptr + b, scale)
@@ -224,6 +237,11 @@ def _launch_opts(block: int) -> dict:
     return dict(P2=p2, num_warps=min(8, max(1, p2 // 256)), enable_fp_fusion=False)
 
 
+def _as_kernel_input(flat: torch.Tensor) -> torch.Tensor:
+    """bf16 goes in as its int16 bit view (see ``_load_fp32``); fp32 and fp16 as they are."""
+    return flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
+
+
 def _check_x(x) -> None:
     if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
         raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
@@ -254,8 +272,8 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
     payload = torch.empty(nb * block * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
-        _quantize_kernel[(nb,)](flat, payload, scales, flat.numel(), block,
-                                BITS=bits, QMAX=qmax, **_launch_opts(block))
+        _quantize_kernel[(nb,)](_as_kernel_input(flat), payload, scales, flat.numel(), block, BITS=bits,
+                                QMAX=qmax, IN_BF16=x.dtype == torch.bfloat16, **_launch_opts(block))
     return payload, scales
 
 
@@ -293,16 +311,16 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     payload = torch.empty(nb * block * bits // 8, dtype=torch.uint8, device=x.device)
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
-        _reorder_quantize_kernel[(nb,)](flat, payload, scales, flat.numel(), shard, sub, block,
-                                        sub // block, x_size, y_size, stages,
-                                        BITS=bits, QMAX=qmax, **_launch_opts(block))
+        _reorder_quantize_kernel[(nb,)](_as_kernel_input(flat), payload, scales, flat.numel(), shard, sub,
+                                        block, sub // block, x_size, y_size, stages, BITS=bits, QMAX=qmax,
+                                        IN_BF16=x.dtype == torch.bfloat16, **_launch_opts(block))
     return payload, scales
 
 
 def _stacked(payloads: Copies, scales: Copies, bits: int, block: int, numel: int):
+    p, s = _copies(payloads, scales)                 # the reference's order of checks
     _qmax(bits)
     _check_block(block, bits)
-    p, s = _copies(payloads, scales)
     nb = _check_encoded(p[0], s[0], bits, block, numel)
     return p.contiguous(), s.contiguous(), nb
 
