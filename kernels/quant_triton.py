@@ -31,10 +31,10 @@ Exact fp32 arithmetic (what makes the bits match the reference):
   parity of the floor); libdevice ``rint`` has no interpreter implementation.
 * every launch passes ``enable_fp_fusion=False`` so ``total + q*s`` is never contracted
   into one FMA (the reference rounds the product and the sum separately).
-* fp32 -> bf16 output is rounded to nearest even by integer ops on the fp32 bits
-  (``_fp32_to_bf16_bits``); the interpreter's own fp32 -> bf16 cast truncates.
-  bf16 input is widened from its bits (``_load_fp32``; bf16 is read as bf16, never as
-  fp16, and the interpreter's own bf16 -> fp32 cast flushes subnormals); fp16 by ``.to``.
+* bf16 is converted by integer ops on the bits, exact on GPU and in the interpreter
+  (whose own casts, in triton 3.7/3.9, truncate fp32 -> bf16 and get bf16 subnormals
+  wrong): input is widened by ``_load_fp32`` (bf16 is read as bf16, never as fp16),
+  output rounded to nearest even by ``_fp32_to_bf16_bits``. fp16 uses ``.to`` both ways.
 """
 from __future__ import annotations
 

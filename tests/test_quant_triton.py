@@ -121,6 +121,7 @@ def test_quantize_numels_match_reference(bits, dtype):
             check_quant(x, bits, block)
     check_quant(torch.randn(2, 3, 5, generator=g).to(dtype), bits, 32)   # any shape; one ragged block
     check_quant(torch.randn(70, generator=g).to(dtype), bits, 50)        # block not a power of two
+    check_quant(torch.randn(2049, generator=g).to(dtype), bits, 2048)    # a large block, 1-element tail
 
 
 @pytest.mark.parametrize("bits", [8, 4])
