@@ -333,3 +333,16 @@ def test_sampled_quantization_error_is_logged(tmp_path):
         assert 1e-4 < r["quant_error"]["weights"] < 0.01, r
         assert 1e-3 < r["quant_error"]["gradients"] < 0.5, r
     assert "relative quantization error" in p.stdout
+
+
+def test_fp16_overflow_survives_quantization_and_skips_like_zero3():
+    """Non-finite gradients stay non-finite through int4 qgZ (a NaN scale poisons its block), so the
+    same steps are skipped as under ZeRO-3, and the loss scale recovers the same way."""
+    world, overrides = LAYOUTS["dp4_2x2"]
+    overrides = overrides + ["precision=fp16", "loss_scale.initial=1048576", "zero.stage=3"]
+    ref = run(world, overrides)[0]
+    out = run(world, overrides + [QWZ, QGZ])[0]
+    skipped = [not math.isfinite(n) for n in out["grad_norms"]]
+    assert skipped == [not math.isfinite(n) for n in ref["grad_norms"]]
+    assert skipped[0] and not skipped[-1], "the test must overflow first and recover later"
+    assert max(rel_diffs(out["losses"], ref["losses"])) <= QUANT_RTOL
