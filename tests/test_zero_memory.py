@@ -79,7 +79,9 @@ def test_config_errors_name_the_zero_key(capsys, tmp_path):
     (4, ["zero.stage=3", "model.tie_embeddings=true"]),  # the tied embedding stays gathered through backward
     (8, ["zero.stage=3", "parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=16"]),
     (8, ["zero.stage=2", "parallel.pp=2", "parallel.virtual_stages=2", "train.global_batch_size=16"]),
-], ids=["stage3_tied", "stage3_pp2_vp2_dp2", "stage2_pp2_vp2_dp2_accumulating"])
+    (4, ["zero.stage=3", "zero.hpz_size=2", "parallel.ranks_per_node=2", "zero.quantized_weights=true",
+         "zero.quantized_gradients=true"]),
+], ids=["stage3_tied", "stage3_pp2_vp2_dp2", "stage2_pp2_vp2_dp2_accumulating", "zeropp_hpz2_2x2"])
 def test_estimator_follows_composed_layouts(world, overrides):
     for r in run_world(measure_worker, world, ["precision=bf16"] + overrides):
         measured, estimated = sum(r["measured"].values()), sum(r["estimated"].values())

@@ -408,5 +408,8 @@ def validate_config(cfg: Config) -> None:
     need(z.qgz_stages >= 1, f"zero.qgz_stages={z.qgz_stages} must be >= 1")
     need(z.qgz_min_numel >= 0, f"zero.qgz_min_numel={z.qgz_min_numel} must be >= 0")
     need(z.quant_error_interval >= 0, f"zero.quant_error_interval={z.quant_error_interval} must be >= 0")
+    need(z.quant_error_interval == 0 or z.quantized_weights or z.quantized_gradients,
+         f"zero.quant_error_interval={z.quant_error_interval} needs zero.quantized_weights or "
+         f"zero.quantized_gradients (nothing is quantized)")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))

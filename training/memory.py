@@ -10,7 +10,8 @@ compute / reduce dtype bytes; Phi = the rank's parameters)::
   stage 3   parameters S e_c, gradients S e_r, optimizer 12 S, plus the gathered working set ~ 16/N + working
 
 In fp32 the master copy is the parameter buffer itself, so the optimizer holds
-8 S. The stage-3 working set is the peak of what is gathered at once (the
+8 S. ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters (the
+transient quantized send/receive buffers of qwZ and qgZ are not counted). The stage-3 working set is the peak of what is gathered at once (the
 current module's units and the prefetched ones; a unit used by two modules, the
 embedding tied to the head on one stage, stays gathered through backward) plus
 the full gradients alive (the unit filling and the one being reduce-scattered),
@@ -57,6 +58,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         shards = [shard_layout([p.numel() for p in u.params], n, z.partition).shard_size for u in units]
         for s in shards:
             out["parameters"] += (n * s if z.stage < 3 else s) * e_c
+            if z.stage == 3 and z.hpz_size > 1:  # ZeRO++ hpZ's secondary shard
+                out["parameters"] += n * s // z.hpz_size * e_c
             out["gradients"] += (n * s if z.stage == 1 else s) * e_r
             out["optimizer"] += (master + 8) * s
         chunk_grads.append(sum(n * s * e_r for s in shards))

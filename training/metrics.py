@@ -2,7 +2,9 @@
 
 Only rank 0 writes. Each training record carries at least the contract keys:
 step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, peak_mem_bytes and
-the step's communication ledger as ``comm``; validation records carry val_loss.
+the step's communication ledger as ``comm``; validation records carry val_loss;
+with ``zero.quant_error_interval`` set, sampled steps add a record with ``quant_error``
+(``weights`` / ``gradients``: relative L2 error of ZeRO++'s quantized communication).
 """
 from __future__ import annotations
 
@@ -72,7 +74,10 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         print(format_line(record), flush=True)
         if self.wandb is not None:
-            flat = {k: v for k, v in record.items() if k not in ("step", "comm") and v is not None}
+            flat = {k: v for k, v in record.items() if k not in ("step", "comm", "quant_error") and v is not None}
+            for what, err in record.get("quant_error", {}).items():
+                if err is not None:
+                    flat[f"quant_error/{what}"] = err
             for kind, n in record.get("comm", {}).get("by_kind", {}).items():
                 flat[f"comm/{kind}_bytes"] = n
             for link, n in record.get("comm", {}).get("by_link", {}).items():
@@ -117,6 +122,9 @@ def _wandb_id(run_dir: Path) -> str:
 
 
 def format_line(r: Dict[str, Any]) -> str:
+    if "quant_error" in r:
+        errs = [f"{k} {v:.2e}" for k, v in r["quant_error"].items() if v is not None]
+        return f"step {r['step']:>6} | ZeRO++ relative quantization error: " + (", ".join(errs) or "none sampled")
     if "val_loss" in r:
         return f"step {r['step']:>6} | validation loss {r['val_loss']:.4f} | ppl {math.exp(min(r['val_loss'], 50)):.2f}"
     parts = [f"step {r['step']:>6}", f"loss {r['loss']:.4f}", f"lr {r['lr']:.2e}", f"grad_norm {r['grad_norm']:.3f}",

@@ -178,6 +178,9 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
     reason = _should_stop(stop, began, t.time_limit_minutes, mesh)  # a signal during start-up stops here
     while not reason and engine.step < t.max_steps:
         mesh.ledger.reset()
+        sample = bool(cfg.zero.quant_error_interval) and (engine.step + 1) % cfg.zero.quant_error_interval == 0
+        if sample:
+            engine.dp.sampling = True
         t0 = time.perf_counter()
         try:
             stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh))
@@ -210,6 +213,8 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
                         "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time()})
             window_time, window_steps = 0.0, 0
+        if sample:
+            logger.log({"step": step, "quant_error": engine.dp.quant_error()})
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:

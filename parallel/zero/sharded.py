@@ -42,6 +42,7 @@ in forward and again in backward, and reduce-scatters its gradients.
 from __future__ import annotations
 
 import math
+from dataclasses import replace
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -164,6 +165,8 @@ class ZeroDataParallel:
         self.qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
         self.qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
         self.hpz = mesh.hpz_group(z.hpz_size) if z.hpz_size > 1 else None
+        self.sampling = False  # this step measures the quantization error (``quant_error``)
+        self._qerr = torch.zeros(4, dtype=torch.float64, device=mesh.device)  # weights err, ref; gradients err, ref
         tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
         self.chunk_units: List[List[Unit]] = []
         self.chunk_uses: List[List[ModuleUse]] = []
@@ -239,6 +242,10 @@ class ZeroDataParallel:
         out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
         if self._quantized_reduce(buf):
             work = QgzReduce(out, buf, self.mesh.dp_intra, self.mesh.dp_inter, self.qgz, self.cfg.zero.qgz_stages)
+            if self.sampling:  # the unquantized mean, by an extra (counted) reduce-scatter, to compare on arrival
+                exact = torch.empty_like(out)
+                comm.reduce_scatter(exact, buf / self.mesh.dp.size, replace(self.mesh.dp, name="quant_error"))
+                work = _Compared(work, out, exact, self._qerr[2:])
         else:
             buf.div_(self.mesh.dp.size)
             work = comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True)
@@ -319,6 +326,8 @@ class ZeroDataParallel:
         self._start_gather(unit)
         if unit.gather_work is not None:
             unit.gather_work.wait()
+            if self.sampling and isinstance(unit.gather_work, QuantizedGather):  # own dequantized piece vs shard
+                _accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)
             unit.gather_work = None
             unit.gathered = True
 
@@ -358,7 +367,8 @@ class ZeroDataParallel:
         if _in_backward():
             return None  # a recomputation: the backward that follows needs the weights
         for unit in use.units:
-            if unit.secondary is not None and not unit.secondary_valid:  # hpZ: keep this rank's slice
+            if unit.secondary is not None and not unit.secondary_valid and torch.is_grad_enabled():
+                # hpZ: keep this rank's slice (a training forward's: validation leaves the step's bytes alone)
                 n = unit.secondary.numel()
                 unit.secondary.copy_(unit.full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
                 unit.secondary_valid = True
@@ -371,6 +381,18 @@ class ZeroDataParallel:
         for unit in use.units:
             self._gather(unit)
         self._prefetch(chunk, use, -1)
+
+    # -- observability ----------------------------------------------------------------------------
+    def quant_error(self) -> Dict[str, Optional[float]]:
+        """Relative L2 error qwZ / qgZ introduced over the steps sampled since the last call (None where the
+        feature is off or nothing was sampled): gathered weights vs the shards they came from, reduced
+        gradients vs an unquantized reduce-scatter. A collective over the world; ends the sampling."""
+        comm.all_reduce(self._qerr, self.mesh.world)
+        e = self._qerr.tolist()
+        self._qerr.zero_()
+        self.sampling = False
+        return {"weights": math.sqrt(e[0] / e[1]) if e[1] > 0 else None,
+                "gradients": math.sqrt(e[2] / e[3]) if e[3] > 0 else None}
 
     # -- checkpoints ------------------------------------------------------------------------------
     def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
@@ -438,6 +460,24 @@ class ZeroDataParallel:
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
         optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}
+
+
+class _Compared:
+    """A qgZ reduce whose result is compared, on arrival, with the unquantized one."""
+
+    def __init__(self, work: QgzReduce, out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor):
+        self.work, self.out, self.exact, self.acc = work, out, exact, acc
+
+    def wait(self) -> None:
+        self.work.wait()
+        _accumulate_error(self.acc, self.out, self.exact)
+
+
+def _accumulate_error(acc: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> None:
+    """acc += (|value - reference|^2, |reference|^2)."""
+    ref = reference.double()
+    acc[0] += (value.double() - ref).square().sum()
+    acc[1] += ref.square().sum()
 
 
 def _in_backward() -> bool:

@@ -17,7 +17,9 @@ gathered forward weights as they were used (with qwZ, the dequantized ones:
 forward and backward see the same weights; it is never re-quantized), and it is a
 slice of the unit's flat buffer, never of one tensor, so a tiny tensor cannot
 leave a rank with an empty piece. ``step`` and ``after_load`` invalidate it; the
-next forward gathers from the primary shards again.
+next training forward gathers from the primary shards again and rebuilds it. A
+no_grad forward (validation) uses a valid secondary copy but does not build one,
+so every training step moves the same bytes whether or not validation ran before it.
 
 **qgZ** (``zero.quantized_gradients``): the gradient reduce-scatter of a unit over
 the P = X*Y DP ranks (X per node, Y nodes; DP rank p = node*X + local) becomes
@@ -38,6 +40,15 @@ of this rank's (pp, tp) coordinate, so qgZ composes with TP and PP. Units whose
 gradient buffer has fewer than ``zero.qgz_min_numel`` elements take the plain
 reduce-scatter (latency of two hops beats the bytes saved); the rule is the same in
 the analytic volume.
+
+Error bound of qgZ (tested in tests/test_zeropp.py): for an element whose quantization block
+has absmax a_r on DP rank r, and absmax b_n in node n's re-quantized sum,
+
+    |result - mean| <= ( sum_r a_r / (2 qmax) + sum_n b_n / (2 qmax) ) / P   (+ fp32 rounding)
+
+(each rank's quantization and each node's re-quantization err by at most half a step; the
+second sum is absent with one node or one rank per node). Inputs that int4 represents
+exactly, sums included, come back exactly (the fp32 mean, bit for bit).
 
 Byte counts per rank (the ledger's convention, ``parallel/comm.py``), for a unit of
 N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``qgz_bytes``.

@@ -1,0 +1,348 @@
+"""ZeRO++ (qwZ, hpZ, qgZ) against ZeRO-3, on simulated nodes (``parallel.ranks_per_node``).
+
+References: plain ZeRO-3 runs of the same layout (themselves equal to one process, tests/test_zero.py), and
+float64 means for the qgZ reduction. Tolerances:
+
+* hpZ alone moves exact copies: equal to ZeRO-3 to 1e-5 (fp32).
+* qwZ (int8 weights) / qgZ (int4 gradients) perturb every step a little: each step's loss within
+  ``QUANT_RTOL`` (0.5%) of ZeRO-3's at the same precision over 5 steps (measured: <= 0.1% in fp32).
+"""
+import math
+
+import pytest
+import torch
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import batch_fn, build_engine, checkpoint_worker, tiny_config, train_worker
+from tests.test_comm_volume import assert_counted_equals_analytic
+
+STEPS = 5
+QUANT_RTOL = 5e-3
+QWZ, HPZ, QGZ = "zero.quantized_weights=true", "zero.hpz_size=2", "zero.quantized_gradients=true"
+ALL = [QWZ, HPZ, QGZ]
+LAYOUTS = {  # name: (world, overrides); 2 nodes x 2 DP ranks, and tp2 x pp2 x dp2 with DP inside / across nodes
+    "dp4_2x2": (4, ["parallel.ranks_per_node=2"]),
+    "tp2_pp2_dp2_intra": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.ranks_per_node=4",
+                              "train.global_batch_size=16"]),
+    "tp2_pp2_dp2_inter": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.ranks_per_node=2",
+                              "train.global_batch_size=16"]),
+}
+_cache = {}
+
+
+def run(world, overrides, steps=STEPS):
+    key = (world, tuple(overrides), steps)
+    if key not in _cache:
+        _cache[key] = run_world(train_worker, world, list(overrides), steps)
+    return _cache[key]
+
+
+def rel_diffs(a, b):
+    return [abs(x - y) / abs(y) for x, y in zip(a, b)]
+
+
+# -- hpZ: exact ------------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["dp4_2x2", "tp2_pp2_dp2_intra"])
+def test_hpz_alone_equals_zero3_exactly(name):
+    world, overrides = LAYOUTS[name]
+    ref = run(world, overrides + ["zero.stage=3"])
+    out = run(world, overrides + ["zero.stage=3", HPZ])
+    assert max(rel_diffs(out[0]["losses"], ref[0]["losses"])) <= 1e-5
+    assert max(rel_diffs(out[0]["grad_norms"], ref[0]["grad_norms"])) <= 1e-5
+    assert abs(out[0]["val_loss"] - ref[0]["val_loss"]) <= 1e-5 * ref[0]["val_loss"]
+    assert out[0]["comm"]["by_group"].get("dp_hpz", 0) > 0, "backward gathers must come from secondary shards"
+    assert_counted_equals_analytic(out, overrides + ["zero.stage=3", HPZ], world)
+
+
+def hpz_survival_worker(overrides, steps):
+    """Accumulating steps with no_grad validation between them: losses, and each step's ledger."""
+    cfg = tiny_config(*overrides)
+    engine = build_engine(cfg)
+    losses, comms, vals = [], [], []
+    for step in range(steps):
+        engine.mesh.ledger.reset()
+        losses.append(engine.train_step(batch_fn(engine, step))["loss"])
+        comms.append(engine.mesh.ledger.snapshot())
+        vals.append(engine.eval_loss(batch_fn(engine, 1000 + step)))
+    return {"losses": losses, "vals": vals, "comm": comms[-1], "comms": comms}
+
+
+def test_hpz_survives_validation_and_accumulation_and_tiny_tensors():
+    """One node of 8 DP ranks, hpZ over all 8, d_model 32 (norms of 32 elements: 4 per rank of the group),
+    4 micro-batches a step, validation after every step: equal to ZeRO-3, and every step's counted bytes
+    are the analytic ones (the secondary copy is rebuilt each step, never lost or stale)."""
+    model = ["model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "train.micro_batch_size=1",
+             "train.global_batch_size=32", "parallel.ranks_per_node=8", "zero.stage=3"]
+    ref = run_world(hpz_survival_worker, 8, model, 3)
+    out = run_world(hpz_survival_worker, 8, model + ["zero.hpz_size=8"], 3)
+    assert max(rel_diffs(out[0]["losses"], ref[0]["losses"])) <= 1e-5
+    assert max(rel_diffs(out[0]["vals"], ref[0]["vals"])) <= 1e-5
+    assert ref[0]["losses"][-1] < ref[0]["losses"][0]
+    for r in out:
+        assert r["comms"][1] == r["comms"][2], "a step after validation must move the same bytes"
+    assert_counted_equals_analytic(out, model + ["zero.hpz_size=8"], 8)
+
+
+# -- qwZ / qgZ: within tolerance --------------------------------------------------------------------
+QUANT_CASES = [(name, precision, "qwz_qgz") for name in LAYOUTS for precision in ("fp32", "bf16", "fp16")]
+QUANT_CASES += [("dp4_2x2", "bf16", feature) for feature in ("qwz", "qgz", "all")]
+FEATURES = {"qwz": [QWZ], "qgz": [QGZ], "qwz_qgz": [QWZ, QGZ], "all": ALL,
+            "qwz4_qgz8": [QWZ, "zero.weight_bits=4", QGZ, "zero.gradient_bits=8"]}
+
+
+@pytest.mark.parametrize("name,precision,feature", QUANT_CASES)
+def test_quantized_runs_track_zero3(name, precision, feature):
+    world, overrides = LAYOUTS[name]
+    overrides = overrides + [f"precision={precision}", "zero.stage=3"]
+    ref = run(world, overrides)
+    out = run(world, overrides + FEATURES[feature])
+    diffs = rel_diffs(out[0]["losses"], ref[0]["losses"])
+    assert max(diffs) <= QUANT_RTOL, diffs
+    assert out[0]["losses"] != ref[0]["losses"], "quantization must change something"
+    assert out[0]["losses"][-1] < out[0]["losses"][0], "it must still learn"
+    for r in out:
+        assert r["losses"] == out[0]["losses"], "ranks disagree on the loss"
+    kinds = out[0]["comm"]["by_kind"]
+    if QGZ in FEATURES[feature]:
+        assert kinds.get("all_to_all", 0) > 0
+    assert_counted_equals_analytic(out, overrides + FEATURES[feature], world)
+
+
+def test_int4_weights_and_int8_gradients():
+    world, overrides = LAYOUTS["dp4_2x2"]
+    overrides = overrides + ["zero.stage=3"]
+    ref = run(world, overrides)
+    out = run(world, overrides + FEATURES["qwz4_qgz8"])
+    assert max(rel_diffs(out[0]["losses"], ref[0]["losses"])) <= 2 * QUANT_RTOL
+    assert_counted_equals_analytic(out, overrides + FEATURES["qwz4_qgz8"], world)
+
+
+# -- qgZ: the mean over all DP ranks -------------------------------------------------------------------
+def _rank_input(global_rank: int, numel: int, shard: int, exact: bool) -> torch.Tensor:
+    g = torch.Generator().manual_seed(100 + global_rank)
+    if not exact:
+        return torch.randn(numel, generator=g) * (1 + global_rank)
+    # int4-exact: quantization block k of every partition is a * w with w integers in [-7, 7] reaching +-7 (the
+    # same on every rank) and a a power of two drawn per (rank, partition, block): every quantization, sum and
+    # re-quantization is exact, so qgZ must return the mean bit for bit
+    i = torch.arange(numel)
+    blocks = (i // shard) * (shard // 32 + 1) + (i % shard) // 32
+    w = torch.randint(-7, 8, (numel,), generator=torch.Generator().manual_seed(7)).float()
+    w[(i % shard) % 32 == 0] = 7.0
+    a = 2.0 ** torch.randint(-3, 4, (int(blocks.max()) + 1,), generator=g).float()
+    return w * a[blocks]
+
+
+def qgz_mean_worker(overrides, numel, cases):
+    """For each (exact, stages, bits): run QgzReduce on this rank's DP groups; the result, the expected mean and
+    the error bound."""
+    import torch.distributed as dist
+
+    from parallel.layout import make_layout
+    from parallel.mesh import Mesh
+
+    cfg = tiny_config(*overrides)
+    layout = make_layout(cfg, dist.get_world_size(), cfg.parallel.ranks_per_node)
+    mesh = Mesh(layout, torch.device("cpu"))
+    out = []
+    for exact, stages, bits in cases:
+        mesh.ledger.reset()
+        out.append(_qgz_mean(mesh, numel, exact, stages, bits))
+    return out
+
+
+def _qgz_mean(mesh, numel, exact, stages, bits):
+    from parallel.zero.zeropp import QgzReduce, Quant
+
+    dp, x, y = mesh.dp, mesh.dp_intra.size, mesh.dp_inter.size
+    assert x * y == dp.size
+    block, qmax = 32, 7 if bits == 4 else 127
+    shard = -(-numel // dp.size)
+    inputs = {r: _rank_input(r, numel, shard, exact) for r in dp.ranks}
+    out = torch.empty(shard)
+    QgzReduce(out, inputs[mesh.rank].clone(), mesh.dp_intra, mesh.dp_inter, Quant(bits, block), stages).wait()
+    # float64 reference: the mean of this rank's partition (dp rank p = node * x + local)
+    p = dp.rank
+    padded = {r: torch.cat([v.double(), torch.zeros(shard * dp.size - numel, dtype=torch.float64)])
+              for r, v in inputs.items()}
+    part = {r: v[p * shard:(p + 1) * shard] for r, v in padded.items()}
+    mean = sum(part.values()) / dp.size
+
+    def block_absmax(v):
+        n = -(-v.numel() // block) * block
+        m = torch.cat([v.abs(), v.new_zeros(n - v.numel())]).view(-1, block).amax(dim=1)
+        return m.repeat_interleave(block)[:v.numel()]
+
+    # bound: every rank's quantization (scale/2 each), every node's re-quantization of its sum, then / P
+    bound = sum(block_absmax(v) for v in part.values()) / qmax / 2
+    if x > 1 and y > 1:
+        nodes = [dp.ranks[j * x:(j + 1) * x] for j in range(y)]
+        bound = bound + sum(block_absmax(sum(part[r] for r in node) + sum(block_absmax(part[r]) / qmax / 2
+                                                                         for r in node)) for node in nodes) / qmax / 2
+    bound = bound / dp.size + 1e-6 * mean.abs() + 1e-30
+    return {"out": out, "mean": mean, "bound": bound, "x": x, "y": y,
+            "by_group": mesh.ledger.snapshot()["by_group"]}
+
+
+QGZ_MEAN = {  # name: (world, overrides, expected (X, Y))
+    "2x2": (4, ["parallel.ranks_per_node=2"], (2, 2)),
+    "3_nodes_x2": (6, ["parallel.ranks_per_node=2", "train.global_batch_size=12"], (2, 3)),
+    "2_nodes_x3": (6, ["parallel.ranks_per_node=3", "train.global_batch_size=12"], (3, 2)),
+    "one_node": (4, ["parallel.ranks_per_node=4"], (4, 1)),
+    "one_rank_per_node": (4, ["parallel.ranks_per_node=1"], (1, 4)),
+    "pp2_2x2": (8, ["parallel.pp=2", "parallel.ranks_per_node=2", "train.global_batch_size=16"], (2, 2)),
+    "tp2_2x2": (8, ["parallel.tp=2", "parallel.ranks_per_node=4"], (2, 2)),
+    "tp2_pp2_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.ranks_per_node=2"], (1, 2)),
+}
+
+
+@pytest.mark.parametrize("name", list(QGZ_MEAN))
+def test_qgz_returns_the_mean_over_all_dp_ranks(name):
+    world, overrides, xy = QGZ_MEAN[name]
+    numel = 1000 * world + 37  # not a multiple of anything: shards and stages are padded by rule
+    cases = [(False, stages, bits) for stages in (1, 3) for bits in (4, 8)] + [(True, 1, 4), (True, 3, 4)]
+    for rank_out in run_world(qgz_mean_worker, world, overrides, numel, cases):
+        for (exact, stages, bits), r in zip(cases, rank_out):
+            what = f"exact={exact} stages={stages} bits={bits}"
+            assert (r["x"], r["y"]) == xy
+            if exact:
+                torch.testing.assert_close(r["out"], r["mean"].float(), rtol=0, atol=0, msg=lambda m: f"{what}: {m}")
+                continue
+            err = (r["out"].double() - r["mean"]).abs()
+            assert bool((err <= r["bound"]).all()), f"{what}: error {float((err - r['bound']).max())} over"
+            # the bound is not vacuous: the result is far closer to the mean than to, e.g., the node sum
+            assert float(err.max()) < 0.2 * float(r["mean"].abs().max()), what
+            if xy[0] > 1:
+                assert r["by_group"].get("dp_intra", 0) > 0
+            if xy[1] > 1:
+                assert r["by_group"].get("dp_inter", 0) > 0
+            assert "dp" not in r["by_group"], "qgZ must not fall back to the flat reduce-scatter"
+
+
+# -- bytes ---------------------------------------------------------------------------------------------
+def test_cross_node_bytes_in_the_metrics_file_follow_the_paper(tmp_path):
+    """bf16, 2 nodes x 2 under torchrun: the trainer's metrics.jsonl `comm.by_link.inter` per step, by feature."""
+    import sys
+
+    from tests.test_train_e2e import FAST, records, run_train
+
+    base = FAST + ["parallel.ranks_per_node=2", "precision=bf16", "zero.stage=3", "train.max_steps=2",
+                   "train.global_batch_size=16",
+                   "checkpoint.interval=0", "checkpoint.save_at_exit=false"]
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4")
+    comm = {}
+    for name, extra in {"zero3": [], "qwz": [QWZ], "hpz": [HPZ], "qgz": [QGZ], "zeropp": ALL}.items():
+        run_dir = tmp_path / name
+        p = run_train(*base, *extra, f"logging.run_dir={run_dir}", launcher=torchrun)
+        assert p.returncode == 0, p.stderr[-3000:]
+        comm[name] = [r for r in records(run_dir) if "comm" in r][-1]["comm"]
+        assert_analytic_rank0(comm[name], base + extra)
+
+    def inter(name, kind=None):
+        c = comm[name]
+        return c["by_link"]["inter"] if kind is None else c["by_kind_link"].get(f"{kind}/inter", 0)
+
+    assert inter("zeropp") <= 0.27 * inter("zero3"), (inter("zeropp"), inter("zero3"))
+    # qwZ: both gathers (no hpZ) carry int8 + scales instead of bf16
+    assert inter("qwz", "all_gather") == pytest.approx(0.5 * inter("zero3", "all_gather"), rel=0.04)
+    # hpZ: the backward gather leaves the inter-node link (the forward one stays)
+    assert inter("hpz", "all_gather") == pytest.approx(0.5 * inter("zero3", "all_gather"), rel=0.01)
+    assert comm["hpz"]["by_link"]["intra"] > 0
+    # qgZ: the gradient reduction's cross-node bytes fall to a quarter or less (int4 from bf16, 1/X of the data)
+    reduce3 = inter("zero3", "reduce_scatter")
+    reduce_q = inter("qgz", "reduce_scatter") + inter("qgz", "all_to_all")
+    assert reduce_q <= 0.25 * reduce3, (reduce_q, reduce3)
+    assert inter("qgz", "all_gather") == inter("zero3", "all_gather")
+
+
+def assert_analytic_rank0(comm, args):
+    from parallel.layout import make_layout
+    from parallel.volume import step_bytes
+    from training.config import load_config
+
+    cfg = load_config(None, list(args))
+    analytic = step_bytes(cfg, make_layout(cfg, 4, 2), 0)
+    assert set(comm["by_group"]) == {g for g, v in analytic.items() if v > 0}, (comm["by_group"], analytic)
+    for group, n in analytic.items():
+        assert abs(comm["by_group"].get(group, 0) - n) <= 16, (group, comm["by_group"], analytic)
+
+
+# -- checkpoints ---------------------------------------------------------------------------------------
+SAVE_AT, TOTAL = 3, 6
+CKPT = ["parallel.ranks_per_node=2", "model.tie_embeddings=true", "zero.stage=3"]
+
+
+def resave_worker(overrides, src, dst):
+    """Load a checkpoint and save it again at once, elsewhere (what resharding to this layout writes)."""
+    from training.checkpoint import Checkpointer
+
+    cfg = tiny_config(*overrides)
+    engine = build_engine(cfg)
+    Checkpointer(cfg, src, engine).load(Checkpointer(cfg, src, engine).find_resumable())
+    Checkpointer(cfg, dst, engine).save(engine.step, engine.step * cfg.train.global_batch_size)
+    return engine.step
+
+
+def test_zeropp_checkpoints_resume_exactly_and_reshard_through_zero3(tmp_path):
+    uninterrupted = run_world(checkpoint_worker, 4, CKPT + ALL, "none", TOTAL, "/nonexistent-unused")[0]
+    first = tmp_path / "zeropp"
+    run_world(checkpoint_worker, 4, CKPT + ALL, "fresh", SAVE_AT, str(first))
+    resumed = run_world(checkpoint_worker, 4, CKPT + ALL, "resume", TOTAL, str(first))[0]
+    assert sorted(resumed) == list(range(SAVE_AT, TOTAL))
+    for step, loss in resumed.items():
+        assert abs(loss - uninterrupted[step]) <= 1e-6 * uninterrupted[step], (step, loss, uninterrupted[step])
+    # ZeRO++ (dp4, 2 nodes) -> plain ZeRO-3 on dp2 -> ZeRO++ again: nothing is lost on the way
+    plain = tmp_path / "zero3_dp2"
+    assert run_world(resave_worker, 2, ["model.tie_embeddings=true", "zero.stage=3"], str(first), str(plain)) == \
+        [SAVE_AT] * 2
+    back = run_world(checkpoint_worker, 4, CKPT + ALL, "resume", TOTAL, str(plain))[0]
+    for step, loss in back.items():
+        assert abs(loss - uninterrupted[step]) <= 1e-6 * uninterrupted[step], (step, loss, uninterrupted[step])
+
+
+# -- bad combinations ------------------------------------------------------------------------------------
+def test_hpz_size_must_divide_the_dp_ranks_of_a_node():
+    from parallel.layout import make_layout
+    from training.config import ConfigError
+
+    cfg = tiny_config("zero.stage=3", "zero.hpz_size=4", "parallel.ranks_per_node=2")
+    with pytest.raises(ConfigError, match=r"zero.hpz_size=4 does not divide the 2 data-parallel ranks per node"):
+        make_layout(cfg, 4, 2)
+    cfg = tiny_config("zero.stage=3", "zero.hpz_size=4", "parallel.ranks_per_node=4", "parallel.tp=2")
+    with pytest.raises(ConfigError, match=r"zero.hpz_size=4 does not divide the 2 data-parallel"):
+        make_layout(cfg, 8, 4)  # tp2 leaves 2 DP ranks on a node of 4
+
+
+# -- observability -----------------------------------------------------------------------------------------
+def test_sampled_quantization_error_is_logged(tmp_path):
+    """zero.quant_error_interval=2: steps 2 and 4 carry the relative error of the gathered weights (int8:
+    about 1/(2*127*sqrt(3)) of a block's scale, so well under 1%) and of the reduced gradients (int4)."""
+    import sys
+
+    from tests.test_train_e2e import FAST, records, run_train
+
+    run_dir = tmp_path / "run"
+    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4")
+    p = run_train(*FAST, "train.global_batch_size=16", "parallel.ranks_per_node=2", "zero.stage=3", QWZ, QGZ,
+                  "zero.quant_error_interval=2", "train.max_steps=4", "checkpoint.interval=0",
+                  "checkpoint.save_at_exit=false", f"logging.run_dir={run_dir}", launcher=torchrun)
+    assert p.returncode == 0, p.stderr[-3000:]
+    sampled = [r for r in records(run_dir) if "quant_error" in r]
+    assert [r["step"] for r in sampled] == [2, 4]
+    for r in sampled:
+        assert 1e-4 < r["quant_error"]["weights"] < 0.01, r
+        assert 1e-3 < r["quant_error"]["gradients"] < 0.5, r
+    assert "relative quantization error" in p.stdout
+
+
+def test_fp16_overflow_survives_quantization_and_skips_like_zero3():
+    """Non-finite gradients stay non-finite through int4 qgZ (a NaN scale poisons its block), so the
+    same steps are skipped as under ZeRO-3, and the loss scale recovers the same way."""
+    world, overrides = LAYOUTS["dp4_2x2"]
+    overrides = overrides + ["precision=fp16", "loss_scale.initial=1048576", "zero.stage=3"]
+    ref = run(world, overrides)[0]
+    out = run(world, overrides + [QWZ, QGZ])[0]
+    skipped = [not math.isfinite(n) for n in out["grad_norms"]]
+    assert skipped == [not math.isfinite(n) for n in ref["grad_norms"]]
+    assert skipped[0] and not skipped[-1], "the test must overflow first and recover later"
+    assert max(rel_diffs(out["losses"], ref["losses"])) <= QUANT_RTOL
