@@ -388,6 +388,8 @@ def rows_for(ranks_per_node: int) -> Dict[str, Row]:
                                      "zero.quantized_gradients=true"], "ZeRO++ (qwZ+hpZ+qgZ)"),
         Row("fsdp2", "fsdp2", ["--mesh", "full"], "FSDP2 full shard"),
         Row("fsdp2_hybrid", "fsdp2", ["--mesh", "hybrid"], "FSDP2 hybrid shard"),
+        Row("fsdp2_dim0", "fsdp2", ["--mesh", "full", "--placement", "dim0"],
+            "FSDP2 full shard, dim-0 padding (FSDP2's default placement)"),
     ]}
 
 
@@ -750,7 +752,8 @@ def parse_args(argv):
     p.add_argument("--steps", type=int, default=8, help="train.max_steps of every row")
     p.add_argument("--skip", type=int, default=2, help="steps left out of the medians and the wire window")
     p.add_argument("--rows", default=DEFAULT_ROWS,
-                   help=f"comma list of rows, or 'all' (adds dp: plain DP sanity row); default {DEFAULT_ROWS}")
+                   help=f"comma list of rows, or 'all' (adds dp, plain DP as a sanity row, and fsdp2_dim0, FSDP2 "
+                        f"with its default dim-0 placement); default {DEFAULT_ROWS}")
     p.add_argument("--model", action="append", nargs="+", default=[], metavar="KEY=VALUE",
                    help="config overrides passed to every row, e.g. --model model.n_layers=2 model.d_model=512")
     p.add_argument("--keep-logs", action="store_true", help="keep run dirs and logs (printed at the end)")

@@ -6,6 +6,9 @@ and configured by the same config keys (``training.config``): the model is built
 its ``global_batch_size / world`` slice of every global batch), the optimizer is the trainer's AdamW
 (``training.optim.build_optimizer``) with its warm-up + cosine learning rate and ``train.grad_clip``.
 
+* ``--placement auto`` (default) shards each parameter on its first dimension the shard count divides;
+  FSDP2's own default (``--placement dim0``) pads dim 0 to a multiple of it, which for this model's fused
+  qkv (3, d, d) and SwiGLU up (2, ffn, d) weights over 4 ranks gathers and reduces 1.5x a block's bytes.
 * ``--mesh full``: ``fully_shard`` per transformer block and on the root over a 1-D mesh of every rank
   (ZeRO-3's layout).
 * ``--mesh hybrid``: the same on a 2-D mesh (replicate = nodes, shard = ranks per node): parameters are
@@ -104,10 +107,14 @@ class CommCounter:
 def main(argv=None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--mesh", choices=["full", "hybrid"], default="full")
+    parser.add_argument("--placement", choices=["auto", "dim0"], default="auto",
+                        help="auto: shard a parameter on its first dim divisible by the shard count (no padding); "
+                             "dim0: FSDP2's default, dim 0 padded to a multiple of the shard count")
     parser.add_argument("overrides", nargs="*", help="config dotlist, as for train.py")
     args = parser.parse_args(argv)
 
     from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     from data.gpt_dataset import get_batch
@@ -145,9 +152,21 @@ def main(argv=None) -> int:
         ctx = TPContext(alone, False, RNGTracker(cpu, cfg.train.seed, 0, rank, 0))
         [model] = build_chunks(cfg.model, ctx, 1, 1, 0, cfg.train.seed, cpu)
         mp = MixedPrecisionPolicy(param_dtype=dtype, reduce_dtype=dtype)
+        shards = world if args.mesh == "full" else ranks_per_node
+
+        def placement(param):
+            """--placement auto: shard on the first dim the shard count divides (FSDP2 pads dim 0 otherwise:
+            this model's fused qkv (3, d, d) and SwiGLU up (2, ffn, d) weights would cost 4/3 and 2x)."""
+            if args.placement == "dim0" or param.shape[0] % shards == 0:
+                return None
+            for dim in range(1, param.dim()):
+                if param.shape[dim] % shards == 0:
+                    return Shard(dim)
+            return None
+
         for block in model.layers.values():
-            fully_shard(block, mesh=mesh, mp_policy=mp)
-        fully_shard(model, mesh=mesh, mp_policy=mp)
+            fully_shard(block, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
+        fully_shard(model, mesh=mesh, mp_policy=mp, shard_placement_fn=placement)
         optimizer = build_optimizer(list(model.named_parameters()), cfg.train, cpu)
         schedule = LRSchedule(cfg.train)
         t = cfg.train

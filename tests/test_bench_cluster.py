@@ -86,7 +86,7 @@ def test_sigterm_during_a_row_kills_the_ranks_and_removes_the_namespaces(tmp_pat
                           "--workdir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
                          stderr=subprocess.STDOUT, text=True)
     try:
-        deadline, inside = time.monotonic() + 60, []
+        deadline, inside = time.monotonic() + 120, []
         while time.monotonic() < deadline:
             namespaces = _namespaces_of(p.pid)
             inside = _pids_in(namespaces)
