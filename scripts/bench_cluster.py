@@ -438,14 +438,20 @@ def error_line(logs: Sequence[Path]) -> str:
         for line in text.splitlines():
             if line.startswith("error:"):
                 return line
-    for log in logs:
+    for log in logs:  # a worker's own exception or abort, before torchrun's summary of it
         try:
-            lines = [ln for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
+            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
         except OSError:
             continue
-        for ln in reversed(lines):
-            if "Error" in ln or "error" in ln:
-                return ln.strip()[:300]
+        for ln in lines:
+            if ln.startswith("terminate called") or (re.match(r"^[\w.]+(Error|Exception): ", ln)
+                                                     and "ChildFailedError" not in ln
+                                                     and "SignalException" not in ln):
+                return ln[:300]
+        for i, ln in enumerate(lines):
+            if ln.startswith("Root Cause"):
+                cause = " ".join(x for x in lines[i + 1:i + 8] if x.startswith(("rank", "exitcode", "traceback")))
+                return f"{cause} ({log.name})"[:300]
     return "failed (see logs)"
 
 
@@ -556,6 +562,9 @@ def table(results: List[dict], cluster: Cluster, args) -> str:
         if len(r.get("rounds", [])) > 1:
             ts = [x["step_time_s"] for x in r["rounds"] if x.get("step_time_s") is not None]
             spread = f" ({min(ts):.2f}-{max(ts):.2f})"
+            failed = [x["error"] for x in r["rounds"] if x.get("error")]
+            if failed:
+                spread += f" [{len(failed)} of {len(r['rounds'])} rounds failed: {failed[0]}]"
         lines.append(f"| {r['what']} | {r['step_time_s']:.3f}{spread} | {r['tokens_per_s']:.0f} "
                      f"| {mib(r['counted_inter_bytes'])} ({r['counted_how']}) | {mib(r['wire_bytes'])} "
                      f"| {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {r['lower_bound_s']:.3f} "
@@ -777,6 +786,9 @@ def main(argv=None) -> int:
     if argv[:1] == ["--probe-worker"]:
         return probe_worker(argv[1:])
     args = parse_args(argv)
+    if args.skip < 1 or args.steps <= args.skip:
+        print(f"error: need --steps > --skip >= 1 (got --steps {args.steps} --skip {args.skip})", file=sys.stderr)
+        return 2
     if os.geteuid() != 0:
         print("error: needs root (network namespaces and tc)", file=sys.stderr)
         return 2

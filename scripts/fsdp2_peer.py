@@ -207,6 +207,7 @@ def main(argv=None) -> int:
                 for i, r in enumerate(records):
                     r["comm_by_rank"] = {"inter": [everyone[k][i] for k in range(world)]}
                     f.write(json.dumps(r) + "\n")
+        dist.barrier()  # nobody tears gloo down while rank 0 still writes (a teardown race aborted a rank once)
     finally:
         dist.destroy_process_group()
     return 0
