@@ -70,6 +70,26 @@ def _positive(name: str, value: int) -> None:
         raise ValueError(f"{name} must be a positive int, got {value!r}")
 
 
+def _check_x(x) -> None:
+    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
+        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+
+
+def _check_encoded(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int) -> int:
+    """One encoded copy has the payload and scales ``numel`` values need; returns its block count."""
+    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
+        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
+    nb = n_blocks(numel, block)
+    nbytes = nb * block * bits // 8
+    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != nbytes:
+        raise ValueError(f"payload must be 1-D uint8 of {nbytes} bytes for numel={numel}, bits={bits}, "
+                         f"block={block}; got {payload.dtype} of shape {tuple(payload.shape)}")
+    if scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() != nb:
+        raise ValueError(f"scales must be 1-D float32 of {nb} blocks; got {scales.dtype} "
+                         f"of shape {tuple(scales.shape)}")
+    return nb
+
+
 def n_blocks(numel: int, block: int) -> int:
     """Blocks for ``numel`` values (the last one may be ragged, zero-padded)."""
     return -(-numel // block)
@@ -99,8 +119,7 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
     """Quantize ``x`` (any shape, fp32/bf16/fp16; flattened) -> (uint8 payload, fp32 scales)."""
     qmax = _qmax(bits)
     _check_block(block, bits)
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    _check_x(x)
     numel = x.numel()
     nb = n_blocks(numel, block)
     x32 = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
@@ -126,14 +145,7 @@ def dequantize_blockwise(payload: torch.Tensor, scales: torch.Tensor, bits: int,
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
     if dtype not in FLOAT_DTYPES:
         raise ValueError(f"dtype must be float32/bfloat16/float16, got {dtype}")
-    nb = n_blocks(numel, block)
-    nbytes = nb * block * bits // 8
-    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != nbytes:
-        raise ValueError(f"payload must be 1-D uint8 of {nbytes} bytes for numel={numel}, bits={bits}, "
-                         f"block={block}; got {payload.dtype} of shape {tuple(payload.shape)}")
-    if scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() != nb:
-        raise ValueError(f"scales must be 1-D float32 of {nb} blocks; got {scales.dtype} "
-                         f"of shape {tuple(scales.shape)}")
+    nb = _check_encoded(payload, scales, bits, block, numel)
     q = payload.view(torch.int8) if bits == 8 else unpack_int4(payload)
     values = q.to(torch.float32).reshape(nb, block) * scales[:, None]
     return values.reshape(-1)[:numel].to(dtype)
@@ -209,8 +221,7 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     """
     _qmax(bits)
     _check_block(block, bits)
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
+    _check_x(x)
     P = x_size * y_size
     shard, padded = qgz_slice_sizes(x.numel(), x_size, y_size, block, stages)
     buf = torch.zeros(P, padded, dtype=x.dtype, device=x.device)

@@ -44,8 +44,8 @@ import torch
 import triton
 import triton.language as tl
 
-from kernels.quant import (FLOAT_DTYPES, Copies, _check_block, _copies, _qmax, n_blocks,  # noqa: F401
-                           payload_nbytes, qgz_slice_sizes, qgz_slot, reorder_for_hierarchical)
+from kernels.quant import (FLOAT_DTYPES, Copies, _check_block, _check_encoded, _check_x,  # noqa: F401
+                           _copies, _qmax, n_blocks, payload_nbytes, qgz_slice_sizes, qgz_slot, reorder_for_hierarchical)
 
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "reorder_and_quantize", "dequant_sum",
            "dequant_sum_requant", "n_blocks", "payload_nbytes", "qgz_slice_sizes", "qgz_slot",
@@ -240,26 +240,6 @@ def _launch_opts(block: int) -> dict:
 def _as_kernel_input(flat: torch.Tensor) -> torch.Tensor:
     """bf16 goes in as its int16 bit view (see ``_load_fp32``); fp32 and fp16 as they are."""
     return flat.view(torch.int16) if flat.dtype == torch.bfloat16 else flat
-
-
-def _check_x(x) -> None:
-    if not isinstance(x, torch.Tensor) or x.dtype not in FLOAT_DTYPES:
-        raise ValueError(f"x must be a float32/bfloat16/float16 tensor, got {getattr(x, 'dtype', type(x))}")
-
-
-def _check_encoded(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int, numel: int) -> int:
-    """dequantize_blockwise's checks on one copy (same messages); returns n_blocks."""
-    if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
-        raise ValueError(f"numel must be a non-negative int, got {numel!r}")
-    nb = n_blocks(numel, block)
-    nbytes = nb * block * bits // 8
-    if payload.dtype != torch.uint8 or payload.dim() != 1 or payload.numel() != nbytes:
-        raise ValueError(f"payload must be 1-D uint8 of {nbytes} bytes for numel={numel}, bits={bits}, "
-                         f"block={block}; got {payload.dtype} of shape {tuple(payload.shape)}")
-    if scales.dtype != torch.float32 or scales.dim() != 1 or scales.numel() != nb:
-        raise ValueError(f"scales must be 1-D float32 of {nb} blocks; got {scales.dtype} "
-                         f"of shape {tuple(scales.shape)}")
-    return nb
 
 
 def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:

@@ -179,11 +179,11 @@ class QgzReduce:
     def _group_of_stage(self, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Step 3 for stage k: the Y slots of this rank's group, summed over the node (payload, scales)."""
         x, y = self.plan.x, self.plan.y
-        pb, sb = self.plan.slot_bytes()
+        pb, _ = self.plan.slot_bytes()
         if self.intra_work[k] is not None:
             self.intra_work[k].wait()
         rows = self.recv[k]  # x rows: the copy from each local peer (x = 1: our own data)
-        payloads, scales = rows[:, :y * pb].contiguous(), rows[:, y * pb:].contiguous().view(torch.float32)
+        payloads, scales = _unpack(rows, y * pb)
         if x == 1:
             return payloads[0], scales[0]
         return self.ops.dequant_sum_requant(payloads, scales, self.q.bits, self.q.block, y * self.plan.sub,
