@@ -56,7 +56,7 @@ from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
-from parallel.zero.zeropp import QgzReduce, Quant, QuantizedGather
+from parallel.zero.zeropp import ComparedReduce, QgzReduce, Quant, QuantizedGather, accumulate_error
 from training.config import Config
 from training.optim import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
 
@@ -245,7 +245,7 @@ class ZeroDataParallel:
             if self.sampling:  # the unquantized mean, by an extra (counted) reduce-scatter, to compare on arrival
                 exact = torch.empty_like(out)
                 comm.reduce_scatter(exact, buf / self.mesh.dp.size, replace(self.mesh.dp, name="quant_error"))
-                work = _Compared(work, out, exact, self._qerr[2:])
+                work = ComparedReduce(work, out, exact, self._qerr[2:])
         else:
             buf.div_(self.mesh.dp.size)
             work = comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True)
@@ -327,7 +327,7 @@ class ZeroDataParallel:
         if unit.gather_work is not None:
             unit.gather_work.wait()
             if self.sampling and isinstance(unit.gather_work, QuantizedGather):  # own dequantized piece vs shard
-                _accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)
+                accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)
             unit.gather_work = None
             unit.gathered = True
 
@@ -460,24 +460,6 @@ class ZeroDataParallel:
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
         optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}
-
-
-class _Compared:
-    """A qgZ reduce whose result is compared, on arrival, with the unquantized one."""
-
-    def __init__(self, work: QgzReduce, out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor):
-        self.work, self.out, self.exact, self.acc = work, out, exact, acc
-
-    def wait(self) -> None:
-        self.work.wait()
-        _accumulate_error(self.acc, self.out, self.exact)
-
-
-def _accumulate_error(acc: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> None:
-    """acc += (|value - reference|^2, |reference|^2)."""
-    ref = reference.double()
-    acc[0] += (value.double() - ref).square().sum()
-    acc[1] += ref.square().sum()
 
 
 def _in_backward() -> bool:

@@ -215,3 +215,22 @@ class QgzReduce:
         total.div_(x * y)  # step 5: the mean over all P ranks, divided once
         self.out.copy_(total)
         self.send = self.recv = None
+
+
+# -- observability (zero.quant_error_interval) ------------------------------------------------------
+class ComparedReduce:
+    """A qgZ reduce whose result is compared, on arrival, with the unquantized one."""
+
+    def __init__(self, work: QgzReduce, out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor):
+        self.work, self.out, self.exact, self.acc = work, out, exact, acc
+
+    def wait(self) -> None:
+        self.work.wait()
+        accumulate_error(self.acc, self.out, self.exact)
+
+
+def accumulate_error(acc: torch.Tensor, value: torch.Tensor, reference: torch.Tensor) -> None:
+    """acc += (|value - reference|^2, |reference|^2)."""
+    ref = reference.double()
+    acc[0] += (value.double() - ref).square().sum()
+    acc[1] += ref.square().sum()
