@@ -139,6 +139,43 @@ class ZeroConfig:
 
 
 @dataclass
+class Fp8Config:
+    """FP8-LM (``precision=fp8``): FP8 GEMMs, FP8 gradients with the auto-scaling factor mu, FP8 AdamW."""
+
+    backend: str = "torch"
+    """FP8 GEMMs through torch._scaled_mm (CPU and compute capability >= 8.9) | te (Transformer Engine, CUDA
+    only; refused with a clear error where it is not installed)."""
+    scaling: str = "delayed"
+    """Per-tensor scales of activations, weights and output gradients: delayed (from an amax history, reduced
+    over TP and DP once per step) | current (from the tensor itself, its amax reduced over TP first)."""
+    amax_history_len: int = 16
+    """Delayed scaling: steps of amax history kept per tensor."""
+    amax_compute: str = "max"
+    """Delayed scaling: max (of the history) | most_recent."""
+    margin: int = 0
+    """Scales are max(format) / amax / 2**margin."""
+    power_of_two_scales: bool = False
+    """Round activation/weight/gradient scales down to a power of two."""
+    gradient_format: str = "e5m2"
+    """Format of output gradients in the GEMMs and of the communicated weight gradients: e5m2 | e4m3."""
+    output_head: bool = False
+    """Run the output head's GEMMs in FP8 too (default: bf16, like the embedding, norms and attention core)."""
+    sequence_parallel_fp8: bool = True
+    """With sequence parallelism, cast activations to E4M3 before the all-gather (half the bytes of bf16)."""
+    emulate: bool = False
+    """Quantize/dequantize around bf16 GEMMs instead of FP8 GEMMs: numerics of FP8 on GPUs without FP8
+    (V100, A100); no speed-up."""
+    mu_initial: float = 1.0
+    """Gradient auto-scaling factor mu at the start (FP8-LM 2.1)."""
+    mu_overflow_threshold: float = 1e-5
+    """Halve mu when more than this fraction (1e-5 = 0.001 %) of the reduced FP8 gradient hits the format max."""
+    mu_growth_interval: int = 1000
+    """Double mu after this many consecutive steps under the threshold."""
+    master_dtype: str = "fp16"
+    """FP8 AdamW master weights: fp16 (with a per-tensor scale; 6 bytes a parameter of model state) | fp32."""
+
+
+@dataclass
 class TrainConfig:
     max_steps: int = 200
     """Optimizer steps to run."""
@@ -245,13 +282,14 @@ class Config:
     model: ModelConfig = field(default_factory=ModelConfig)
     parallel: ParallelConfig = field(default_factory=ParallelConfig)
     zero: ZeroConfig = field(default_factory=ZeroConfig)
+    fp8: Fp8Config = field(default_factory=Fp8Config)
     train: TrainConfig = field(default_factory=TrainConfig)
     loss_scale: LossScaleConfig = field(default_factory=LossScaleConfig)
     data: DataConfig = field(default_factory=DataConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: str = "fp32"
-    """fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (not implemented yet)."""
+    """fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (FP8-LM: FP8 GEMMs, gradients and AdamW; bf16 elsewhere)."""
     device: str = "auto"
     """auto (cuda when present) | cpu | cuda."""
 
@@ -334,6 +372,11 @@ _CHOICES = {
     "zero.partition": ("flat", "whole_tensor"),
     "zero.reduce_dtype": ("compute", "fp32"),
     "checkpoint.on_data_change": ("error", "warn"),
+    "fp8.backend": ("torch", "te"),
+    "fp8.scaling": ("delayed", "current"),
+    "fp8.amax_compute": ("max", "most_recent"),
+    "fp8.gradient_format": ("e5m2", "e4m3"),
+    "fp8.master_dtype": ("fp16", "fp32"),
 }
 
 
@@ -392,7 +435,6 @@ def validate_config(cfg: Config) -> None:
          f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
     need(len(cfg.data.split) == 2 and min(cfg.data.split) >= 0 and cfg.data.split[0] > 0,
          f"data.split={cfg.data.split} must be two non-negative fractions [train, valid] with train > 0")
-    need(cfg.precision != "fp8", "precision=fp8 is not implemented yet (FP8-LM is a later milestone)")
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), f"zero.stage={z.stage} is not one of [0, 1, 2, 3]")
     need(z.hpz_size >= 1, f"zero.hpz_size={z.hpz_size} must be >= 1")
@@ -411,5 +453,15 @@ def validate_config(cfg: Config) -> None:
     need(z.quant_error_interval == 0 or z.quantized_weights or z.quantized_gradients,
          f"zero.quant_error_interval={z.quant_error_interval} needs zero.quantized_weights or "
          f"zero.quantized_gradients (nothing is quantized)")
+    f = cfg.fp8
+    need(f.amax_history_len >= 1, f"fp8.amax_history_len={f.amax_history_len} must be >= 1")
+    need(f.margin >= 0, f"fp8.margin={f.margin} must be >= 0")
+    need(math.isfinite(f.mu_initial) and f.mu_initial > 0, f"fp8.mu_initial={f.mu_initial} must be > 0")
+    need(0 <= f.mu_overflow_threshold < 1, f"fp8.mu_overflow_threshold={f.mu_overflow_threshold} must be in [0, 1)")
+    need(f.mu_growth_interval >= 1, f"fp8.mu_growth_interval={f.mu_growth_interval} must be >= 1")
+    if cfg.precision == "fp8":
+        for key in ("zero.quantized_weights", "zero.quantized_gradients"):
+            need(not _get(cfg, key), f"{key}=true does not combine with precision=fp8: FP8-LM already moves "
+                                     f"{'weights' if 'weights' in key else 'gradients'} in FP8 (hpZ does combine)")
     if errors:
         raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
