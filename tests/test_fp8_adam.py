@@ -1,0 +1,304 @@
+"""FP8-LM AdamW (fp8/adam.py): tracks torch's AdamW within the formats' error, resumes bitwise, 5-7 bytes.
+
+Gradients: the torch reference model computes each step's gradient from its own parameters and the
+very same tensors are given to the FP8 model. Feeding both one gradient sequence makes the difference
+a property of the optimizer's storage formats alone; gradients taken at each model's own weights would
+add the loss surface's sensitivity, which no format argument bounds.
+"""
+import copy
+import io
+import math
+
+import torch
+from torch import nn
+
+from fp8.adam import Fp8AdamW, adamw_update, init_state, master_value, state_nbytes
+from fp8.format import E4M3, dequantize, quantize, scale_from_amax, amax
+
+STEPS, LR, BETAS, WD = 30, 1e-2, (0.9, 0.95), 0.1
+P_MAX = 0.5
+"""Bound on |param| along the trajectory (asserted), for the FP16 master's rounding term."""
+
+
+def _mlp(seed=0):
+    torch.manual_seed(seed)
+    return nn.Sequential(nn.Linear(32, 64), nn.GELU(), nn.Linear(64, 32))
+
+
+def _groups(model, wd=WD):
+    """Weight decay on weights only (biases exempt), as training/optim.py does."""
+    named = list(model.named_parameters())
+    return [{"params": [p for n, p in named if n.endswith("weight")], "weight_decay": wd},
+            {"params": [p for n, p in named if not n.endswith("weight")], "weight_decay": 0.0}]
+
+
+def _grads(seed=100, steps=STEPS):
+    """A fixed batch sequence for a linear-regression target."""
+    g = torch.Generator().manual_seed(seed)
+    w = torch.randn(32, 32, generator=g)
+    xs = [torch.randn(16, 32, generator=g) for _ in range(steps)]
+    return [(x, x @ w) for x in xs]
+
+
+def _backward(model, batch):
+    model.zero_grad(set_to_none=True)
+    x, y = batch
+    ((model(x) - y) ** 2).mean().backward()
+
+
+def _follow(master_dtype, emulate_state_rounding=False, seed=0):
+    """Step torch's AdamW (single-tensor) and Fp8AdamW side by side on the reference's gradients.
+
+    With ``emulate_state_rounding`` the reference's exp_avg / exp_avg_sq are replaced after each step
+    by their E4M3 / scaled-FP16 round trips (same scale rules): torch's arithmetic, Fp8AdamW's storage."""
+    ref = _mlp(seed)
+    fp8 = copy.deepcopy(ref)
+    start = [p.detach().clone() for p in ref.parameters()]
+    opt_ref = torch.optim.AdamW(_groups(ref), lr=LR, betas=BETAS, foreach=False)
+    opt = Fp8AdamW(_groups(fp8), lr=LR, betas=BETAS, master_dtype=master_dtype)
+    for batch in _grads(100 + seed):
+        _backward(ref, batch)
+        for a, b in zip(ref.parameters(), fp8.parameters()):
+            b.grad = a.grad.clone()
+        opt_ref.step()
+        opt.step()
+        if emulate_state_rounding:
+            for p in ref.parameters():
+                st = opt_ref.state[p]
+                for key, dtype in (("exp_avg", E4M3), ("exp_avg_sq", torch.float16)):
+                    s = scale_from_amax(amax(st[key]), dtype, power_of_two=dtype == torch.float16)
+                    st[key].copy_(dequantize(quantize(st[key], s, dtype), s))
+    return ref, fp8, start, opt_ref, opt
+
+
+def _max_diff(a, b):
+    return max((x - y).abs().max().item() for x, y in zip(a, b))
+
+
+def test_follows_torch_adamw_within_the_formats_error():
+    """Fp8AdamW (FP16 master) stays within the E4M3 first moment's error of torch.optim.AdamW.
+
+    Bound, in units of ``lr`` (Adam moves an element by about lr a step, |m_hat / sqrt(v_hat)| <~ 1):
+      * m: E4M3 keeps 3 mantissa bits, so each stored m is off by at most half an ulp, 2**-4 relative.
+        A rounding made at step s is carried into every later step with weight beta1**k: in all,
+        beta1 / (1 - beta1) = 9 steps' worth. Roundings of different steps are independent with zero
+        mean, so over T steps they add like a random walk: sqrt(T). -> lr * 2**-4 * 9 * sqrt(T).
+      * v: FP16, 2**-11 relative, 2**-12 after the square root: 2**7 times smaller than m's, ignored.
+      * master: FP16, at most 2**-11 of |p| lost a step, random walk -> sqrt(T) * 2**-11 * max|p|.
+    With T = 30, lr = 1e-2 and max|p| < 0.5 this is 3.08 lr + 0.13 lr = 3.21e-2 (an estimate of the
+    typical size, not a worst case: roundings aligned on every step could reach T * 2**-4 * 9 = 17 lr).
+    Measured (seeds 0-4): 1.59-1.97 lr, i.e. 5.7-7.0 % of the largest movement of any parameter (~28 lr);
+    an FP32 master changes this by < 2 % (the E4M3 m dominates).
+    """
+    ref, fp8, start, _, _ = _follow("fp16")
+    max_p = max(p.abs().max().item() for p in ref.parameters())
+    assert max_p < P_MAX
+    bound = LR * (2 ** -4 * BETAS[0] / (1 - BETAS[0]) * math.sqrt(STEPS)) + math.sqrt(STEPS) * 2 ** -11 * P_MAX
+    err = _max_diff(ref.parameters(), fp8.parameters())
+    movement = _max_diff(ref.parameters(), start)
+    assert movement > 10 * LR  # the parameters did move: the comparison is not vacuous
+    assert err <= bound, (err, bound, err / movement)
+    assert err > 0  # it is not secretly an fp32 optimizer
+    assert all(p.dtype == torch.float32 and torch.isfinite(p).all() for p in fp8.parameters())
+
+
+def test_fp32_master_is_torch_adamw_bitwise_given_the_same_state_rounding():
+    """The arithmetic is torch's: with an FP32 master, and the reference's m / v passed through the same
+    E4M3 / FP16 round trips, Fp8AdamW equals torch.optim.AdamW bitwise for 30 steps.
+
+    m and v depend on the gradients alone, so with an FP16 master they stay bitwise equal to the emulated
+    reference's and the parameters differ only by the master's roundings: at most half an FP16 ulp,
+    2**-11 |p|, at initialisation and at each of the T steps (weight decay only shrinks an old error):
+    |dp| <= (T + 1) * 2**-11 * max|p| = 7.6e-3, a worst case (measured, seeds 0-4: 0.87-1.02e-3, the
+    random-walk size sqrt(T) * 2**-11 * max|p|). Without emulating the m / v rounding both master dtypes
+    deviate from torch alike, since the E4M3 m dominates (see the test above)."""
+    for master_dtype in ("fp32", "fp16"):
+        ref, fp8, _, opt_ref, opt = _follow(master_dtype, emulate_state_rounding=True)
+        for a, b in zip(ref.parameters(), fp8.parameters()):
+            st_ref, st = opt_ref.state[a], opt.state[b]
+            assert torch.equal(st_ref["exp_avg"], dequantize(st["m"], st["m_scale"]))
+            assert torch.equal(st_ref["exp_avg_sq"], dequantize(st["v"], st["v_scale"]))
+        err = _max_diff(ref.parameters(), fp8.parameters())
+        if master_dtype == "fp32":
+            assert err == 0
+        else:
+            assert 0 < err <= (STEPS + 1) * 2 ** -11 * P_MAX, err
+
+
+def _run(model, opt, batches):
+    for batch in batches:
+        _backward(model, batch)
+        opt.step()
+
+
+def _state_tensors(opt):
+    return [(k, t) for p in (q for g in opt.param_groups for q in g["params"])
+            for k, t in sorted(opt.state[p].items()) if torch.is_tensor(t)]
+
+
+def test_resume_is_bitwise():
+    """save -> torch.save/load -> fresh model and optimizer -> step equals never stopping, bitwise,
+    for both master dtypes: parameters, every state tensor and scale, and the step count."""
+    batches = _grads(7, steps=12)
+    for master_dtype in ("fp16", "fp32"):
+        model = _mlp(3)
+        opt = Fp8AdamW(_groups(model), lr=LR, betas=BETAS, master_dtype=master_dtype)
+        _run(model, opt, batches[:6])
+        buf = io.BytesIO()
+        torch.save({"model": model.state_dict(), "opt": opt.state_dict()}, buf)
+        _run(model, opt, batches[6:])  # uninterrupted
+
+        buf.seek(0)
+        saved = torch.load(buf, weights_only=True)
+        resumed = _mlp(99)  # different initial weights: everything must come from the checkpoint
+        resumed.load_state_dict(saved["model"])
+        opt2 = Fp8AdamW(_groups(resumed), lr=0.5, betas=(0.5, 0.5), master_dtype=master_dtype)
+        opt2.load_state_dict(saved["opt"])
+        _run(resumed, opt2, batches[6:])
+
+        for a, b in zip(model.parameters(), resumed.parameters()):
+            assert torch.equal(a, b)
+        s1, s2 = _state_tensors(opt), _state_tensors(opt2)
+        assert [k for k, _ in s1] == [k for k, _ in s2] and len(s1) > 0
+        for (k, a), (_, b) in zip(s1, s2):
+            assert a.dtype == b.dtype and torch.equal(a, b), k
+        assert all(opt2.state[p]["step"] == 12 for g in opt2.param_groups for p in g["params"])
+        assert opt2.param_groups[0]["lr"] == LR and opt2.param_groups[0]["betas"] == BETAS
+
+
+def test_state_dict_is_a_snapshot_and_load_checks_dtypes():
+    model = _mlp(1)
+    opt = Fp8AdamW(_groups(model), lr=LR, betas=BETAS)
+    batches = _grads(5, steps=2)
+    _run(model, opt, batches[:1])
+    sd = opt.state_dict()
+    before = sd["state"][0]["m"].clone()
+    _run(model, opt, batches[1:])
+    assert torch.equal(sd["state"][0]["m"].view(torch.uint8), before.view(torch.uint8))
+    sd["state"][0]["m"] = sd["state"][0]["m"].float()  # what torch's own loader would have done
+    try:
+        Fp8AdamW(_groups(_mlp(1)), lr=LR).load_state_dict(sd)
+    except ValueError as e:
+        assert "m is torch.float32" in str(e)
+    else:
+        raise AssertionError("a cast state tensor was accepted")
+
+
+def test_bytes_per_parameter():
+    """State bytes measured from the tensors: 2 + 1 + 2 = 5 (FP16 master) and 4 + 1 + 2 = 7 (FP32
+    master) a parameter, plus 4-byte scales: 3 per tensor (2 with an FP32 master)."""
+    for master_dtype, per_param, scales in (("fp16", 5, 3), ("fp32", 7, 2)):
+        model = _mlp(0)
+        opt = Fp8AdamW(_groups(model), lr=LR, master_dtype=master_dtype)
+        _run(model, opt, _grads(1, steps=1))
+        params = [p for g in opt.param_groups for p in g["params"]]
+        n = sum(p.numel() for p in params)
+        total = sum(state_nbytes(opt.state[p]) for p in params)
+        assert total == per_param * n + 4 * scales * len(params), (master_dtype, total, n)
+
+
+def test_weight_decay_exemption():
+    """Zero gradients: a decayed group shrinks by exactly (1 - lr*wd) a step (up to the FP16 master's
+    rounding), a group with wd 0 does not move at all -- bitwise, every step (power-of-two scales:
+    an unchanged element re-rounds to itself, no drift)."""
+    for master_dtype in ("fp16", "fp32"):
+        torch.manual_seed(0)
+        init = torch.randn(8, 8).half().float()  # representable in FP16: the master holds it exactly
+        decayed, exempt = nn.Parameter(init.clone()), nn.Parameter(init.clone())
+        opt = Fp8AdamW([{"params": [decayed], "weight_decay": WD}, {"params": [exempt], "weight_decay": 0.0}],
+                       lr=LR, betas=BETAS, master_dtype=master_dtype)
+        for step in range(1, 21):
+            decayed.grad, exempt.grad = torch.zeros_like(init), torch.zeros_like(init)
+            opt.step()
+            assert torch.equal(exempt, init), step
+            expected = init * (1 - LR * WD) ** step
+            tol = 0 if master_dtype == "fp32" else step * 2 ** -11
+            assert torch.allclose(decayed, expected, rtol=tol + 1e-6, atol=0), step
+        assert decayed.abs().sum() < exempt.abs().sum()
+
+
+def test_zero_gradients_and_zero_tensors_make_no_nan():
+    """A zero tensor with zero gradients, and a tensor whose gradient becomes zero: finite, scales kept."""
+    zero = nn.Parameter(torch.zeros(4, 4))
+    live = nn.Parameter(torch.randn(4, 4))
+    opt = Fp8AdamW([zero, live], lr=LR, betas=BETAS, weight_decay=WD)
+    for step in range(10):
+        zero.grad = torch.zeros(4, 4)
+        live.grad = torch.randn(4, 4) if step < 3 else torch.zeros(4, 4)
+        opt.step()
+        for p in (zero, live):
+            st = opt.state[p]
+            assert torch.isfinite(p).all()
+            for k in ("master_scale", "m_scale", "v_scale"):
+                assert torch.isfinite(st[k]) and st[k] > 0, k
+    assert torch.equal(zero, torch.zeros(4, 4))
+    assert opt.state[zero]["m_scale"] == 1 and opt.state[zero]["v_scale"] == 1
+
+
+def test_update_in_place_on_views_of_flat_buffers():
+    """How a strategy calls it: views into flat shard buffers and a vector of scales, written in place;
+    the result equals the same update on standalone tensors."""
+    torch.manual_seed(0)
+    a, b = torch.randn(6, 5) * 0.1, torch.randn(7) * 0.01
+    sa, sb = init_state(a, "fp16"), init_state(b, "fp16")
+    flat = {k: torch.cat([sa[k].flatten(), sb[k].flatten()]) for k in ("master", "m", "v")}
+    scales = {k: torch.stack([sa[k], sb[k]]) for k in ("master_scale", "m_scale", "v_scale")}
+    hp = dict(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=WD)
+    for step in range(1, 4):
+        ga, gb = torch.randn(6, 5), torch.randn(7)
+        for st, g in ((sa, ga), (sb, gb)):
+            adamw_update(*(st[k] for k in ("master", "master_scale", "m", "m_scale", "v", "v_scale")), g,
+                         step=step, **hp)
+        for i, (g, sl) in enumerate(((ga, slice(0, 30)), (gb, slice(30, 37)))):
+            view = lambda t: t[sl].view(g.shape)  # noqa: E731
+            adamw_update(view(flat["master"]), scales["master_scale"][i], view(flat["m"]), scales["m_scale"][i],
+                         view(flat["v"]), scales["v_scale"][i], g, step=step, **hp)
+    for i, st in enumerate((sa, sb)):
+        sl = slice(0, 30) if i == 0 else slice(30, 37)
+        for k in ("master", "m", "v"):
+            assert torch.equal(flat[k][sl].float(), st[k].flatten().float()), k
+        for k in ("master_scale", "m_scale", "v_scale"):
+            assert torch.equal(scales[k][i], st[k]), k
+        assert torch.allclose(master_value(st["master"], st["master_scale"]), master_value(
+            flat["master"][sl], scales["master_scale"][i]).view(st["master"].shape), rtol=0, atol=0)
+    # power-of-two scales for the FP16 master and v, E4M3 amax lands on 448
+    assert torch.equal(torch.log2(sa["master_scale"]).round(), torch.log2(sa["master_scale"]))
+    assert torch.equal(torch.log2(sa["v_scale"]).round(), torch.log2(sa["v_scale"]))
+    assert sa["m"].float().abs().max() == 448
+
+
+def test_rejects_bad_inputs():
+    st = init_state(torch.ones(3), "fp16")
+    args = [st[k] for k in ("master", "master_scale", "m", "m_scale", "v", "v_scale")]
+    hp = dict(step=1, lr=LR, beta1=0.9, beta2=0.95, eps=1e-8, weight_decay=0.0)
+    bad = [
+        (args[:1] + [None] + args[2:], torch.ones(3)),                    # FP16 master without its scale
+        (args[:2] + [args[2].float()] + args[3:], torch.ones(3)),         # m not E4M3
+        (args, torch.ones(3, dtype=torch.float16)),                       # grad not fp32
+        (args, torch.ones(4)),                                            # shape mismatch
+    ]
+    for a, g in bad:
+        try:
+            adamw_update(*a, g, **hp)
+        except (TypeError, ValueError):
+            continue
+        raise AssertionError("accepted bad input")
+    for kwargs in ({"eps": 0.0}, {"master_dtype": "bf16"}):
+        try:
+            Fp8AdamW([nn.Parameter(torch.ones(2))], **kwargs)
+        except ValueError:
+            continue
+        raise AssertionError(f"accepted {kwargs}")
+
+
+def test_parameter_refreshed_in_its_own_dtype():
+    """A bf16 parameter stays bf16 and holds the master's value rounded to bf16 after each step."""
+    torch.manual_seed(0)
+    p = nn.Parameter(torch.randn(5, 5).bfloat16())
+    opt = Fp8AdamW([p], lr=LR, betas=BETAS)
+    for _ in range(3):
+        p.grad = torch.randn(5, 5).bfloat16()
+        opt.step()
+        st = opt.state[p]
+        assert p.dtype == torch.bfloat16
+        assert torch.equal(p, master_value(st["master"], st["master_scale"]).bfloat16())
