@@ -121,7 +121,10 @@ def init_state(values: torch.Tensor, master_dtype: str = "fp16") -> Dict[str, Op
     if master_dtype not in MASTER_DTYPES:
         raise ValueError(f"fp8 adam: master_dtype must be one of {sorted(MASTER_DTYPES)}, got {master_dtype!r}")
     x = values.detach().float()
-    one = lambda: torch.ones((), dtype=torch.float32, device=x.device)  # noqa: E731
+
+    def one() -> torch.Tensor:
+        return torch.ones((), dtype=torch.float32, device=x.device)
+
     if master_dtype == "fp32":
         master, master_scale = x.clone(), None
     else:
@@ -220,4 +223,10 @@ class Fp8AdamW(torch.optim.Optimizer):
                 if t.dtype != dtype or t.shape != p.shape:
                     raise ValueError(f"Fp8AdamW.load_state_dict: parameter {k} {name} is {t.dtype} "
                                      f"{tuple(t.shape)}, expected {dtype} {tuple(p.shape)}")
+            scales = ("m_scale", "v_scale") + (("master_scale",) if master_dtype == torch.float16 else ())
+            for name in scales:
+                t = s[name]
+                if not (torch.is_tensor(t) and t.dim() == 0 and t.dtype == torch.float32):
+                    raise ValueError(f"Fp8AdamW.load_state_dict: parameter {k} {name} must be a 0-dim float32 "
+                                     f"tensor, got {t!r}")
             self.state[p] = {n: (t.to(p.device, copy=True) if torch.is_tensor(t) else t) for n, t in s.items()}
