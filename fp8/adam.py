@@ -25,8 +25,10 @@ Scale rules (why):
     requantizing every step. The scale is computed from the very values it casts, so nothing
     can overflow and a margin would only cost a binade at the small end (FP16 precision is
     relative, a scale shifts range, not resolution). Amax lands in (32752, 65504].
-  * m, E4M3: the plain amax scale ``s = 448 / amax`` (FP8-LM's rule): amax maps to 448 and
-    the 2**17.8 range of E4M3 below it is used to the full.
+  * m, E4M3: a power of two as well, ``s = 2**floor(log2(448 / amax))`` (amax lands in (224, 448]).
+    E4M3 precision is relative too, so this costs at most one binade of range at the bottom, and it
+    makes ``q / s`` exact: the fp32 values a checkpoint holds requantize to the very same bits
+    (``set_moments``), which is what makes an FP8 resume bitwise (``fp8/zero.py``).
   * amax 0 (a zero tensor), inf or NaN: the previous scale is kept (``format.scale_from_amax``);
     zeros quantize to zeros, ``sqrt(0) + eps > 0`` so a zero m/v never makes a NaN. A NaN in the
     gradient is not hidden: it reaches the state, and the caller (loss scaler) must skip such
@@ -53,8 +55,8 @@ STATE_KEYS = ("master", "master_scale", "m", "m_scale", "v", "v_scale")
 
 
 def _scale(x: torch.Tensor, dtype: torch.dtype, previous: Optional[torch.Tensor]) -> torch.Tensor:
-    """The scale rule above: power of two for FP16 (master, v), plain amax for E4M3 (m)."""
-    return scale_from_amax(amax(x), dtype, margin=0, power_of_two=dtype == torch.float16, previous=previous)
+    """The scale rule above: a power of two below ``max(dtype) / amax`` (master, m, v alike)."""
+    return scale_from_amax(amax(x), dtype, margin=0, power_of_two=True, previous=previous)
 
 
 def _requantize(x: torch.Tensor, q: torch.Tensor, scale: torch.Tensor) -> None:
@@ -133,6 +135,24 @@ def init_state(values: torch.Tensor, master_dtype: str = "fp16") -> Dict[str, Op
     return {"master": master, "master_scale": master_scale,
             "m": torch.zeros_like(x, dtype=M_DTYPE), "m_scale": one(),
             "v": torch.zeros_like(x, dtype=V_DTYPE), "v_scale": one()}
+
+
+@torch.no_grad()
+def set_master(master: torch.Tensor, master_scale: Optional[torch.Tensor], values: torch.Tensor) -> None:
+    """Store fp32 ``values`` as the master in place (FP16 with a fresh scale, or a plain FP32 copy)."""
+    if master.dtype == torch.float32:
+        master.copy_(values)
+    else:
+        _requantize(values.float(), master, master_scale)
+
+
+@torch.no_grad()
+def set_moments(m: torch.Tensor, m_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor,
+                m_values: torch.Tensor, v_values: torch.Tensor) -> None:
+    """Store fp32 first and second moments in place with fresh scales (the optimizer's own rule, so values
+    that came out of this state give back the same bits)."""
+    _requantize(m_values.float(), m, m_scale)
+    _requantize(v_values.float(), v, v_scale)
 
 
 def master_value(master: torch.Tensor, master_scale: Optional[torch.Tensor]) -> torch.Tensor:
