@@ -460,6 +460,9 @@ def validate_config(cfg: Config) -> None:
     need(0 <= f.mu_overflow_threshold < 1, f"fp8.mu_overflow_threshold={f.mu_overflow_threshold} must be in [0, 1)")
     need(f.mu_growth_interval >= 1, f"fp8.mu_growth_interval={f.mu_growth_interval} must be >= 1")
     if cfg.precision == "fp8":
+        need(not (m.tie_embeddings and cfg.parallel.pp > 1),
+             "precision=fp8 with model.tie_embeddings=true and parallel.pp > 1 is not supported (the tied "
+             "embedding's FP8 gradients would be summed across stages); untie the embeddings or use pp=1")
         for key in ("zero.quantized_weights", "zero.quantized_gradients"):
             need(not _get(cfg, key), f"{key}=true does not combine with precision=fp8: FP8-LM already moves "
                                      f"{'weights' if 'weights' in key else 'gradients'} in FP8 (hpZ does combine)")

@@ -63,7 +63,10 @@ class ShardLayout:
         return self.offsets[index] // self.shard_size if self.shard_size else 0
 
 
-def shard_layout(numels: Sequence[int], world: int, kind: str = "flat", align: int = ALIGN) -> ShardLayout:
+def shard_layout(numels: Sequence[int], world: int, kind: str = "flat", align: int = ALIGN,
+                 first: int = 0) -> ShardLayout:
+    """``first`` (whole_tensor only): the rank that wins ties, the others following in rank order mod world,
+    so that units of one big tensor each (embedding, head) need not all land on rank 0."""
     numels = tuple(int(n) for n in numels)
     if kind not in KINDS:
         raise ValueError(f"unknown ZeRO partition kind {kind!r}; expected one of {list(KINDS)}")
@@ -80,7 +83,7 @@ def shard_layout(numels: Sequence[int], world: int, kind: str = "flat", align: i
     load = [0] * world
     where: List[Tuple[int, int]] = [(0, 0)] * len(numels)
     for i in sorted(range(len(numels)), key=lambda i: (-numels[i], i)):
-        r = min(range(world), key=lambda r: (load[r], r))
+        r = min(range(world), key=lambda r: (load[r], (r - first) % world))
         where[i] = (r, load[r])
         load[r] += numels[i]
     shard = _round_up(max(load), align) if max(load, default=0) else align

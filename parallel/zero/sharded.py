@@ -192,14 +192,18 @@ class ZeroDataParallel:
         self._factor = 1.0
         self.optimizer_steps = 0
         if self.stage == 3:
-            self._order: List[Optional[List[ModuleUse]]] = [None] * len(chunks)
-            self._recording: Dict[int, List[ModuleUse]] = {}
-            for c, chunk in enumerate(chunks):
-                chunk.register_forward_pre_hook(partial(self._chunk_begin, c))
-                chunk.register_forward_hook(partial(self._chunk_end, c))
-                for use in self.chunk_uses[c]:
-                    use.module.register_forward_pre_hook(partial(self._pre_forward, c, use))
-                    use.module.register_forward_hook(partial(self._post_forward, c, use))
+            self._register_gather_hooks(chunks)
+
+    def _register_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
+        """Gather a module's units before its forward (and backward), release them after (stage 3)."""
+        self._order: List[Optional[List[ModuleUse]]] = [None] * len(chunks)
+        self._recording: Dict[int, List[ModuleUse]] = {}
+        for c, chunk in enumerate(chunks):
+            chunk.register_forward_pre_hook(partial(self._chunk_begin, c))
+            chunk.register_forward_hook(partial(self._chunk_end, c))
+            for use in self.chunk_uses[c]:
+                use.module.register_forward_pre_hook(partial(self._pre_forward, c, use))
+                use.module.register_forward_hook(partial(self._post_forward, c, use))
 
     # -- gradients ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
@@ -369,13 +373,16 @@ class ZeroDataParallel:
         for unit in use.units:
             if unit.secondary is not None and not unit.secondary_valid and torch.is_grad_enabled():
                 # hpZ: keep this rank's slice (a training forward's: validation leaves the step's bytes alone)
-                n = unit.secondary.numel()
-                unit.secondary.copy_(unit.full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
+                self._keep_secondary(unit)
                 unit.secondary_valid = True
             self._release(unit)
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(partial(self._pre_backward, chunk, use))
         return None
+
+    def _keep_secondary(self, unit: Unit) -> None:
+        n = unit.secondary.numel()
+        unit.secondary.copy_(unit.full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
 
     def _pre_backward(self, chunk: int, use: ModuleUse, grad: torch.Tensor) -> None:
         for unit in use.units:
