@@ -56,7 +56,8 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ou
         emulate: bool) -> torch.Tensor:
     """``(a / sa) @ (b / sb)`` for FP8 ``a`` [m, k] and ``b`` [k, n] with their (quantizing) scales."""
     if emulate:
-        return dequantize(a, sa, out_dtype) @ dequantize(b, sb, out_dtype)
+        with torch.autocast(a.device.type, enabled=False):  # the dtype is chosen here, not by autocast
+            return dequantize(a, sa, out_dtype) @ dequantize(b, sb, out_dtype)
     return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
                             out_dtype=out_dtype)
 

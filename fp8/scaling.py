@@ -106,6 +106,8 @@ class ScaleState:
         self.amax_history = torch.zeros(cfg.amax_history_len, dtype=torch.float32, device=device)
         self.pending = torch.zeros((), dtype=torch.float32, device=device)
         self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+        self._ready = False
+        """Host-side copy of ``initialized`` once it is true (no device sync per cast)."""
 
     # -- plumbing ---------------------------------------------------------------------------------
 
@@ -136,11 +138,12 @@ class ScaleState:
                 self.scale.copy_(self._scale_from(a[0]))
                 self.initialized.fill_(True)
             else:
-                if not bool(self.initialized):
+                if not self._ready and not bool(self.initialized):
                     _max_reduce(a, tp)
                     _max_reduce(a, self.dp)
                     self.scale.copy_(self._scale_from(a[0]))
                     self.initialized.fill_(True)
+                self._ready = True
                 # torch.maximum propagates NaN: a broken tensor is seen by the next update
                 torch.maximum(self.pending, a[0], out=self.pending)
             scale = self.scale.clone()
@@ -271,3 +274,5 @@ class Fp8Scaling:
         with torch.no_grad():
             for key, t in expected.items():
                 t.copy_(state[key])
+            for _, _, s in self._all():
+                s._ready = bool(s.initialized)

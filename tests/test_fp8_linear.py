@@ -1,10 +1,10 @@
 """Tests for fp8/linear.py and the FP8 path of parallel/tensor_parallel.py's linear layers.
 
 Reference: the test re-quantizes x, W and the output gradient dy by hand (``cast(v * s)`` saturating, E4M3
-for x and W, E5M2 for dy) with the scales the layer used, dequantizes them to float64 and does every
-matmul in float64 on the FULL tensors, then takes this rank's slice the way tests/test_tensor_parallel.py
-does (column: weight rows; row: weight columns; SP: a rank holds rows ``rank*s/tp ..`` of dim 0). The
-scales themselves are checked against ``max(format) / amax(full tensor)``, computed here from the full
+for x and W, E5M2 for dy, or E4M3 with ``fp8.gradient_format=e4m3``) with the scales the layer used,
+dequantizes them to float64 and does every matmul in float64 on the FULL tensors, then takes this
+rank's slice the way tests/test_tensor_parallel.py does (column: weight rows; row: weight columns; SP: a
+rank holds rows ``rank*s/tp ..`` of dim 0). The scales themselves are checked against ``max(format) / amax(full tensor)``, computed here from the full
 tensors (every TP rank must use the scale of the whole logical tensor).
 
 Tolerance, elementwise, with ``P = |a|·|b|`` (the float64 matmul of the absolute dequantized operands,
@@ -17,13 +17,13 @@ dequantized operand (``q · (1/s)``: reciprocal and product rounded, 2 ulp); one
 the fp32 TP reduction of partial outputs (TP runs are fp32); ``u · |reference|`` is the final rounding to
 the output dtype (u = 2**-24 fp32, 2**-8 bf16). Emulation in bf16 dequantizes each operand to bf16 first
 (one bf16 rounding each: ``2 u · P``). The forward output is rounded twice, the GEMM result and then
-the sum with the bias, so its last term is ``u · (|reference| + P)``. For fp32 this is ~1e-5 relative while the FP8 quantization error
-itself is ~2**-4, so a wrong format, scale or operand fails. The bias gradient (not a GEMM, a sum of the
-unquantized dy) is checked the same way with ``P = Σ|dy|``.
+the sum with the bias, so its last term is ``u · (|reference| + P)``. For fp32 this is ~1e-5 relative
+while the FP8 quantization error itself is ~2**-4, so a wrong format, scale or operand fails. The bias
+gradient (not a GEMM, a sum of the unquantized dy) is checked the same way with ``P = Σ|dy|``.
 """
 from __future__ import annotations
 
-from typing import Dict, Optional
+from typing import Dict
 
 import pytest
 import torch
@@ -76,13 +76,15 @@ def _gemm_tol(P: torch.Tensor, ref: torch.Tensor, K: int, out_dtype: torch.dtype
     return ((K + 9) * 2.0 ** -23 + extra) * P + u * ref.abs()
 
 
-def _case(group, label: str, kind: str, *, sp: bool = False, fused: int = 1, sp_fp8: bool = True, scaling: str = "current",
-          emulate: bool = False, dtype: torch.dtype = torch.float32) -> Dict[str, tuple]:
+def _case(group, label: str, kind: str, *, sp: bool = False, fused: int = 1, sp_fp8: bool = True,
+          scaling: str = "current", emulate: bool = False, dtype: torch.dtype = torch.float32,
+          grad_format: str = "e5m2") -> Dict[str, tuple]:
     """One layer, forward and backward; returns name -> (actual, reference, tolerance) and the scale checks."""
     from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 
     r, g = group.rank, group.size
-    cfg = _cfg(scaling=scaling, emulate=emulate, sequence_parallel_fp8=sp_fp8)
+    cfg = _cfg(scaling=scaling, emulate=emulate, sequence_parallel_fp8=sp_fp8, gradient_format=grad_format)
+    G = {"e5m2": E5M2, "e4m3": E4M3}[grad_format]
     column = kind == "column"
     lead = (fused,) if fused > 1 else ()
     W = _rand(1, *lead, OUT, IN, dtype=dtype)
@@ -123,9 +125,9 @@ def _case(group, label: str, kind: str, *, sp: bool = False, fused: int = 1, sp_
     si, sw, sg = st.input.scale.clone(), st.weight.scale.clone(), st.grad.scale.clone()
     # the scales used are those of the full tensors (TP-reduced amax), whatever this rank holds
     scales = {"input": (float(si), _hand_scale(x, E4M3)), "weight": (float(sw), _hand_scale(W, E4M3)),
-              "grad": (float(sg), _hand_scale(R, E5M2))}
+              "grad": (float(sg), _hand_scale(R, G))}
     # float64 reference on the full, hand-quantized operands
-    xq, wq, gq = _deq(x, si, E4M3), _deq(W, sw, E4M3).reshape(-1, IN), _deq(R, sg, E5M2)
+    xq, wq, gq = _deq(x, si, E4M3), _deq(W, sw, E4M3).reshape(-1, IN), _deq(R, sg, G)
     bias = b.reshape(-1)
     y_ref = xq @ wq.t() + bias
     P_y = xq.abs() @ wq.abs().t() + bias.abs()
@@ -134,18 +136,22 @@ def _case(group, label: str, kind: str, *, sp: bool = False, fused: int = 1, sp_
     dw_ref, P_dw = g2.t() @ x2, g2.abs().t() @ x2.abs()
     full_db = R.reshape(-1, R.shape[-1]).sum(0)
     P_db = R.reshape(-1, R.shape[-1]).abs().sum(0)
-    tag = f"{label}/{scaling},emulate={emulate},{str(dtype)[6:]}"
+    tag = f"{label}/{scaling},emulate={emulate},{str(dtype)[6:]},{grad_format}"
     res = {
-        f"{tag}/out": (y.detach().double(), take_out(y_ref), _gemm_tol(take_out(P_y), take_out(y_ref.abs() + P_y), IN, dtype, emulate)),
-        f"{tag}/dx": (xl.grad.double(), take_dx(dx_ref), _gemm_tol(take_dx(P_dx), take_dx(dx_ref), fused * OUT, dtype, emulate)),
+        f"{tag}/out": (y.detach().double(), take_out(y_ref),
+                       _gemm_tol(take_out(P_y), take_out(y_ref.abs() + P_y), IN, dtype, emulate)),
+        f"{tag}/dx": (xl.grad.double(), take_dx(dx_ref),
+                      _gemm_tol(take_dx(P_dx), take_dx(dx_ref), fused * OUT, dtype, emulate)),
         f"{tag}/dW": (layer.weight.grad.double(), take_dw(dw_ref),
                       _gemm_tol(take_dw(P_dw), take_dw(dw_ref), S * B, dtype, emulate)),
     }
     if column or not sp:
-        res[f"{tag}/db"] = (layer.bias.grad.double(), take_db(full_db), _gemm_tol(take_db(P_db), take_db(full_db), S * B, dtype, False))
+        res[f"{tag}/db"] = (layer.bias.grad.double(), take_db(full_db),
+                            _gemm_tol(take_db(P_db), take_db(full_db), S * B, dtype, False))
     else:  # sequence-parallel row bias: each rank saw its sequence slice only (summed over TP by the trainer)
         part = R[seq].reshape(-1, OUT)
-        res[f"{tag}/db"] = (layer.bias.grad.double(), part.sum(0), _gemm_tol(part.abs().sum(0), part.sum(0), S * B, dtype, False))
+        res[f"{tag}/db"] = (layer.bias.grad.double(), part.sum(0),
+                            _gemm_tol(part.abs().sum(0), part.sum(0), S * B, dtype, False))
     assert y.dtype == dtype and xl.grad.dtype == dtype and layer.weight.grad.dtype == dtype
     return {"checks": res, "scales": {f"{tag}/{k}": v for k, v in scales.items()}}
 
@@ -196,6 +202,11 @@ def test_single_process_fp8_linear_matches_the_dequantized_float64_reference(dty
                 out = _case(_group(), label, scaling=scaling, emulate=emulate, dtype=dtype, **mode)
                 res["checks"].update(out["checks"])
                 res["scales"].update(out["scales"])
+    # fp8.gradient_format=e4m3: the output gradient in E4M3 instead of E5M2
+    for emulate in (False, True):
+        out = _case(_group(), "column_e4m3_grad", kind="column", emulate=emulate, dtype=dtype, grad_format="e4m3")
+        res["checks"].update(out["checks"])
+        res["scales"].update(out["scales"])
     _assert_results(res, "tp1")
 
 
@@ -212,10 +223,11 @@ def test_fp8_linear_function_directly_and_its_scales() -> None:
     y.backward(dy)
     xq, wq = _deq(x.detach().double(), st.input.scale, E4M3), _deq(w.detach().double(), st.weight.scale, E4M3)
     gq = _deq(dy.double(), st.grad.scale, E5M2)
-    torch.testing.assert_close(y.double(), xq @ wq.t(), rtol=0, atol=(IN + 8) * 2.0 ** -23 * float((xq.abs() @ wq.abs().t()).max()))
-    torch.testing.assert_close(x.grad.double(), gq @ wq, rtol=0, atol=(OUT + 8) * 2.0 ** -23 * float((gq.abs() @ wq.abs()).max()))
-    torch.testing.assert_close(w.grad.double(), gq.reshape(-1, OUT).t() @ xq.reshape(-1, IN), rtol=0,
-                               atol=(S * B + 8) * 2.0 ** -23 * float((gq.reshape(-1, OUT).abs().t() @ xq.reshape(-1, IN).abs()).max()))
+    g2, x2 = gq.reshape(-1, OUT), xq.reshape(-1, IN)
+    for actual, a, b, K in ((y, xq, wq.t(), IN), (x.grad, gq, wq, OUT), (w.grad, g2.t(), x2, S * B)):
+        # fp32 output: the bound of the module docstring, taken at its largest element
+        atol = (K + 9) * 2.0 ** -23 * float((a.abs() @ b.abs()).max())
+        torch.testing.assert_close(actual.detach().double(), a @ b, rtol=2.0 ** -24, atol=atol)
     # FP8 is really in the loop: far from the unquantized product
     exact = x.detach().double() @ w.detach().double().t()
     assert float((y.detach().double() - exact).abs().max()) > 1e-3
