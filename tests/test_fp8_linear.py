@@ -4,8 +4,9 @@ Reference: the test re-quantizes x, W and the output gradient dy by hand (``cast
 for x and W, E5M2 for dy, or E4M3 with ``fp8.gradient_format=e4m3``) with the scales the layer used,
 dequantizes them to float64 and does every matmul in float64 on the FULL tensors, then takes this
 rank's slice the way tests/test_tensor_parallel.py does (column: weight rows; row: weight columns; SP: a
-rank holds rows ``rank*s/tp ..`` of dim 0). The scales themselves are checked against ``max(format) / amax(full tensor)``, computed here from the full
-tensors (every TP rank must use the scale of the whole logical tensor).
+rank holds rows ``rank*s/tp ..`` of dim 0). The scales themselves are checked against
+``max(format) / amax(full tensor)``, computed here from the full tensors (every TP rank must use the scale
+of the whole logical tensor).
 
 Tolerance, elementwise, with ``P = |a|·|b|`` (the float64 matmul of the absolute dequantized operands,
 ``+|bias|`` where a bias is added) and K the reduction length of the GEMM:
