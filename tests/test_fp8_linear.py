@@ -281,6 +281,38 @@ def test_gpt_blocks_use_fp8_linears_and_train_close_to_bf16() -> None:
     assert losses["fp8"] != losses["bf16"]
 
 
+def test_activation_checkpointing_recomputes_the_same_fp8_casts() -> None:
+    """Recomputation casts again with the same scales: gradients and scaling state bitwise as without it."""
+    from fp8.scaling import Fp8Scaling
+    from model.gpt import GPTChunk
+    from model.init import init_parameters
+    from model.layers import TPContext
+    from parallel.random import RNGTracker
+    from training.config import load_config
+
+    seq = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
+    for scaling in ("delayed", "current"):
+        runs = {}
+        for ckpt in ("none", "full", "selective"):
+            mcfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=16",
+                                      "model.vocab_size=64", "model.ffn_hidden=64",
+                                      f"model.activation_checkpointing={ckpt}"]).model
+            cfg = _cfg(scaling=scaling)
+            ctx = TPContext(_group(), False, RNGTracker(torch.device("cpu"), 1, 0, 0, 0), fp8=cfg)
+            chunk = GPTChunk(mcfg, ctx, range(2), first=True, last=True)
+            init_parameters(chunk, 1234, 0, 1)
+            sc = Fp8Scaling(cfg, _group(), _group()).attach([chunk])
+            for _ in range(2):  # the second step runs on updated delayed scales
+                chunk.zero_grad()
+                chunk(seq[:, :-1], seq[:, 1:]).backward()
+                sc.update()
+            runs[ckpt] = ({n: p.grad.clone() for n, p in chunk.named_parameters()}, sc.state_dict())
+        for ckpt in ("full", "selective"):
+            for i in range(2):
+                for k, v in runs["none"][i].items():
+                    assert torch.equal(runs[ckpt][i][k], v), (scaling, ckpt, k)
+
+
 # ---- 2 TP ranks ----------------------------------------------------------------------------------------------
 
 def _gather_bytes(group, fp8, sp_fp8: bool) -> int:
