@@ -40,8 +40,10 @@ class GPTChunk(nn.Module):
         self.layers = nn.ModuleDict({str(i): Block(cfg, ctx) for i in self.layer_ids})
         if last:
             self.final_norm = Norm(cfg, ctx)
+            # FP8 output head only when asked (fp8.output_head): by default it stays in the compute dtype
+            head_fp8 = ctx.fp8 if (ctx.fp8 is not None and ctx.fp8.output_head) else None
             self.head = ColumnParallelLinear(cfg.d_model, cfg.vocab_size, ctx.tp, sequence_parallel=sp,
-                                             std=cfg.init_std)
+                                             std=cfg.init_std, fp8=head_fp8)
             if cfg.tie_embeddings and first:
                 self.head.weight = self.embedding.weight
             elif cfg.tie_embeddings:

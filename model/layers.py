@@ -8,6 +8,7 @@ kernels on GPU).
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Optional
 
 import torch
 import torch.nn.functional as F
@@ -17,7 +18,7 @@ from torch.utils.checkpoint import checkpoint
 from parallel.comm import Group
 from parallel.random import RNGTracker
 from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, new_param, scaled_init_std
-from training.config import ModelConfig
+from training.config import Fp8Config, ModelConfig
 
 
 @dataclass
@@ -27,6 +28,8 @@ class TPContext:
     tp: Group
     sequence_parallel: bool
     rng: RNGTracker
+    fp8: Optional[Fp8Config] = None
+    """FP8 GEMMs in the transformer blocks' linear layers (None: the compute dtype, bf16)."""
 
 
 class Norm(nn.Module):
@@ -86,9 +89,9 @@ class Attention(nn.Module):
         self.selective_checkpoint = cfg.activation_checkpointing == "selective"
         sp, std = ctx.sequence_parallel, cfg.init_std
         self.qkv = ColumnParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
-                                        std=std, fused=3)
+                                        std=std, fused=3, fp8=ctx.fp8)
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
-                                      std=scaled_init_std(std, cfg.n_layers))
+                                      std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
@@ -118,9 +121,9 @@ class MLP(nn.Module):
         self.swiglu = cfg.activation == "swiglu"
         sp, std = ctx.sequence_parallel, cfg.init_std
         self.up = ColumnParallelLinear(cfg.d_model, cfg.ffn_size, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
-                                       std=std, fused=2 if self.swiglu else 1)
+                                       std=std, fused=2 if self.swiglu else 1, fp8=ctx.fp8)
         self.down = RowParallelLinear(cfg.ffn_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
-                                      std=scaled_init_std(std, cfg.n_layers))
+                                      std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.up(x)

@@ -27,8 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from fp8.linear import fp8_linear
+from fp8.scaling import Fp8States
 from parallel import comm
 from parallel.comm import Group
+from training.config import Fp8Config
 
 
 @dataclass
@@ -142,6 +145,17 @@ def scatter_to_sp(x: torch.Tensor, group: Group) -> torch.Tensor:
 
 # ---- layers ------------------------------------------------------------------------------------
 
+def _fp8_states(fp8: Optional[Fp8Config], layer: str):
+    """The FP8 scaling states of a linear layer, or None for a bf16 one (``fp8/scaling.py``)."""
+    if fp8 is None:
+        return None
+    if fp8.backend != "torch":
+        raise NotImplementedError(f"{layer}: fp8.backend={fp8.backend} is not implemented by the parallel linear "
+                                  f"layers (only fp8.backend=torch, FP8 GEMMs through torch._scaled_mm); "
+                                  f"fp8.backend=te is not implemented here")
+    return Fp8States(fp8)
+
+
 class ColumnParallelLinear(nn.Module):
     """y = x A^T with A split along its output dim: each rank computes a slice of the features.
 
@@ -150,10 +164,15 @@ class ColumnParallelLinear(nn.Module):
     slice of each (e.g. its heads' q, k and v) and the global layout is that of separate matrices.
     Input is the full activation (gathered along the sequence first under sequence parallelism);
     output stays split, ``[.., fused * out / tp]``, ready for a row-parallel layer.
+
+    ``fp8``: run the GEMMs in FP8 (``fp8/linear.py``) with this layer's scaling states in
+    ``self.fp8_states`` (None for a bf16 layer). Under sequence parallelism with
+    ``fp8.sequence_parallel_fp8`` the sequence all-gather moves the E4M3 cast of the input (half the
+    bytes); otherwise the bf16 input is gathered (or copied to TP) first, as without FP8.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Group, *, sequence_parallel: bool,
-                 bias: bool = False, std: float = 0.02, fused: int = 1):
+                 bias: bool = False, std: float = 0.02, fused: int = 1, fp8: Optional[Fp8Config] = None):
         super().__init__()
         if out_features % tp.size:
             raise ValueError(f"output size {out_features} is not divisible by the TP size {tp.size}")
@@ -161,10 +180,18 @@ class ColumnParallelLinear(nn.Module):
         lead = (fused,) if fused > 1 else ()
         self.weight = new_param(lead + (out_features, in_features), len(lead), tp.size, std=std)
         self.bias = new_param(lead + (out_features,), len(lead), tp.size, init="zeros") if bias else None
+        self.fp8 = fp8
+        self.fp8_states = _fp8_states(fp8, "ColumnParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
         bias = self.bias.flatten() if self.bias is not None else None
+        if self.fp8_states is not None:
+            weight, emulate = self.weight.flatten(0, -2), self.fp8.emulate
+            if self.sequence_parallel and self.fp8.sequence_parallel_fp8 and self.tp.size > 1:
+                return fp8_linear(x, weight, bias, self.fp8_states, self.tp, sp_gather=True, emulate=emulate)
+            x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
+            return fp8_linear(x, weight, bias, self.fp8_states, self.tp, sp_gather=False, emulate=emulate)
+        x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
         return F.linear(x, self.weight.flatten(0, -2), bias)
 
 
@@ -174,10 +201,13 @@ class RowParallelLinear(nn.Module):
     Input is split along features (the output of a column-parallel layer); output is
     the full activation, or this rank's sequence slice under sequence parallelism.
     The bias is added once, after the reduction.
+
+    ``fp8``: run the GEMMs in FP8 (``fp8/linear.py``) with this layer's scaling states in
+    ``self.fp8_states`` (None for a bf16 layer); the reduction stays in the compute dtype.
     """
 
     def __init__(self, in_features: int, out_features: int, tp: Group, *, sequence_parallel: bool,
-                 bias: bool = False, std: float = 0.02):
+                 bias: bool = False, std: float = 0.02, fp8: Optional[Fp8Config] = None):
         super().__init__()
         if in_features % tp.size:
             raise ValueError(f"input size {in_features} is not divisible by the TP size {tp.size}")
@@ -185,9 +215,14 @@ class RowParallelLinear(nn.Module):
         self.weight = new_param((out_features, in_features), 1, tp.size, std=std)
         self.bias = (new_param((out_features,), None, tp.size, init="zeros", sequence_parallel=sequence_parallel)
                      if bias else None)
+        self.fp8 = fp8
+        self.fp8_states = _fp8_states(fp8, "RowParallelLinear")
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        y = F.linear(x, self.weight)
+        if self.fp8_states is not None:
+            y = fp8_linear(x, self.weight, None, self.fp8_states, self.tp, sp_gather=False, emulate=self.fp8.emulate)
+        else:
+            y = F.linear(x, self.weight)
         y = scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 

@@ -1,0 +1,141 @@
+"""FP8 linear: ``y = x Wᵀ + b`` with both GEMMs of the backward in FP8 too (SPEC §4, FP8-LM §2.3).
+
+  forward   y  = x · Wᵀ        E4M3 x E4M3    (x: ``states.input``, W: ``states.weight``)
+  backward  dx = dy · W        G    x E4M3    (dy: ``states.grad``, G = fp8.gradient_format, E5M2 default)
+            dW = dyᵀ · x       G    x E4M3
+            db = Σ dy          in the compute dtype (not a GEMM)
+
+Each operand is cast with its role's scale (``fp8/scaling.py``), ``q = cast(v * s)``, and the GEMM
+runs on the FP8 bytes through ``torch._scaled_mm(qa, qb, scale_a=1/sa, scale_b=1/sb)`` (the
+dequantizing scales), accumulating in fp32 and returning the compute dtype: the autocast dtype
+when autocast is on (bf16 in training), else the dtype of x. The backward keeps the FP8 operands of
+the forward (1 byte an element instead of 2) and their scales.
+
+Sequence-parallel FP8 gather (``sp_gather=True``): the input is this rank's sequence slice
+``[s/tp, b, in]``; it is cast to E4M3 with the TP-shared scale (the input state reduces the amax
+over TP, see ``fp8/scaling.py``) and the FP8 bytes are all-gathered along the sequence over TP:
+half the bytes of the bf16 gather of Megatron's sequence parallelism. Its backward is the usual
+reduce-scatter of dx along the sequence, in the compute dtype.
+
+``emulate=True``: the same quantization, but the operands are dequantized to the compute dtype and
+multiplied there (``F.linear`` / ``matmul``): FP8 numerics on GPUs without FP8 tensor cores.
+
+``_scaled_mm`` requirements: the CPU kernel accepts any shape and layout; CUDA needs compute
+capability >= 8.9, a row-major first and a column-major second operand (always passed so here) and
+every GEMM dimension divisible by 16 — tokens (s·b), in and out features — which is checked up
+front with an error that names the dimension (no silent fallback).
+
+Layout: sequence-first ``[s, b, in]`` (any leading dims; gathered along dim 0), weight ``[out, in]``.
+"""
+from __future__ import annotations
+
+from typing import Optional
+
+import torch
+import torch.nn.functional as F
+
+from fp8.format import dequantize
+from fp8.scaling import Fp8States
+from parallel import comm
+from parallel.comm import Group
+
+
+def compute_dtype(x: torch.Tensor) -> torch.dtype:
+    """Dtype of the GEMM outputs: the autocast dtype where autocast is on, else x's dtype."""
+    if torch.is_autocast_enabled(x.device.type):
+        return torch.get_autocast_dtype(x.device.type)
+    return x.dtype
+
+
+def _col_major(t: torch.Tensor) -> torch.Tensor:
+    """The same matrix stored column-major (what ``_scaled_mm`` wants as its second operand)."""
+    return t.t().contiguous().t()
+
+
+def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, out_dtype: torch.dtype,
+        emulate: bool) -> torch.Tensor:
+    """``(a / sa) @ (b / sb)`` for FP8 ``a`` [m, k] and ``b`` [k, n] with their (quantizing) scales."""
+    if emulate:
+        with torch.autocast(a.device.type, enabled=False):  # the dtype is chosen here, not by autocast
+            return dequantize(a, sa, out_dtype) @ dequantize(b, sb, out_dtype)
+    return torch._scaled_mm(a.contiguous(), _col_major(b), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
+                            out_dtype=out_dtype)
+
+
+def _check_device(x: torch.Tensor, tokens: int, in_features: int, out_features: int) -> None:
+    if x.device.type != "cuda":
+        return
+    major, minor = torch.cuda.get_device_capability(x.device)
+    if (major, minor) < (8, 9):
+        raise RuntimeError(f"FP8 GEMMs (torch._scaled_mm) need compute capability >= 8.9 (Ada, Hopper); this GPU "
+                           f"has {major}.{minor}: set fp8.emulate=true for FP8 numerics on bf16 GEMMs")
+    for what, n in (("tokens (sequence x micro-batch)", tokens), ("input features", in_features),
+                    ("output features", out_features)):
+        if n % 16:
+            raise ValueError(f"FP8 GEMMs on CUDA need every dimension divisible by 16: {what} = {n} "
+                             f"(set fp8.emulate=true or change the shape)")
+
+
+class _Fp8Linear(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx, x, weight, bias, states: Fp8States, tp: Group, sp_gather: bool, emulate: bool,
+                out_dtype: torch.dtype):
+        in_features = x.shape[-1]
+        qx, sx = states.input.cast(x, tp)
+        if sp_gather:
+            qx = qx.contiguous()
+            gathered = qx.new_empty((qx.shape[0] * tp.size,) + tuple(qx.shape[1:]))
+            comm.all_gather(gathered, qx, tp)
+            qx = gathered
+        lead = qx.shape[:-1]
+        qx2 = qx.reshape(-1, in_features)
+        qw, sw = states.weight.cast(weight, tp)
+        y = _mm(qx2, sx, qw.t(), sw, out_dtype, emulate)
+        if bias is not None:
+            y = y + bias.to(out_dtype)
+        ctx.save_for_backward(qx2, qw, sx, sw)
+        ctx.states, ctx.tp, ctx.sp_gather, ctx.emulate, ctx.out_dtype = states, tp, sp_gather, emulate, out_dtype
+        ctx.x_shape, ctx.x_dtype, ctx.w_dtype = x.shape, x.dtype, weight.dtype
+        ctx.has_bias = bias is not None
+        ctx.bias_dtype = bias.dtype if bias is not None else None
+        return y.view(*lead, y.shape[-1])
+
+    @staticmethod
+    def backward(ctx, grad_y):
+        qx2, qw, sx, sw = ctx.saved_tensors
+        g2 = grad_y.reshape(-1, grad_y.shape[-1])
+        qg, sg = ctx.states.grad.cast(g2, ctx.tp)
+        grad_x = grad_w = grad_b = None
+        if ctx.needs_input_grad[0]:
+            gx = _mm(qg, sg, qw, sw, ctx.out_dtype, ctx.emulate)  # [tokens, in]
+            gx = gx.view(*grad_y.shape[:-1], gx.shape[-1])
+            if ctx.sp_gather:
+                gx = gx.contiguous()
+                out = gx.new_empty((gx.shape[0] // ctx.tp.size,) + tuple(gx.shape[1:]))
+                comm.reduce_scatter(out, gx, ctx.tp)
+                gx = out
+            grad_x = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
+        if ctx.needs_input_grad[1]:
+            # fp32 out: the weight gradient is accumulated over micro-batches in the weight's dtype
+            grad_w = _mm(qg.t(), sg, qx2, sx, torch.float32, ctx.emulate).to(ctx.w_dtype)
+        if ctx.has_bias and ctx.needs_input_grad[2]:
+            grad_b = g2.float().sum(0).to(ctx.bias_dtype)
+        return grad_x, grad_w, grad_b, None, None, None, None, None
+
+
+def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], states: Fp8States, tp: Group,
+               *, sp_gather: bool, emulate: bool) -> torch.Tensor:
+    """``x [.., in] · weight[out, in]ᵀ + bias`` with FP8 operands (see the module docstring).
+
+    ``sp_gather``: x is this rank's sequence slice; its FP8 cast is all-gathered along dim 0 over ``tp``
+    (the output covers the whole sequence). The scales used are the states' ``scale`` right after
+    their casts (``states.input.scale``, ``states.weight.scale``, and ``states.grad.scale`` after the
+    backward)."""
+    if weight.dim() != 2 or x.shape[-1] != weight.shape[1]:
+        raise ValueError(f"fp8_linear: x [.., {x.shape[-1]}] does not match weight {tuple(weight.shape)}")
+    if sp_gather and x.dim() < 2:
+        raise ValueError("fp8_linear: sp_gather needs a sequence-first input [s, ..., in]")
+    if not emulate:
+        tokens = x.numel() // x.shape[-1] * (tp.size if sp_gather else 1)
+        _check_device(x, tokens, weight.shape[1], weight.shape[0])
+    return _Fp8Linear.apply(x, weight, bias, states, tp, sp_gather, emulate, compute_dtype(x))

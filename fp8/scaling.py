@@ -1,0 +1,278 @@
+"""Per-tensor scaling state of the FP8 GEMM operands (SPEC §4, FP8-LM; ``fp8/format.py``'s convention).
+
+Every FP8 linear layer has three operand roles, each with its own :class:`ScaleState`:
+
+  input   the activation x        E4M3
+  weight  the weight W            E4M3
+  grad    the output gradient dy  ``fp8.gradient_format`` (E5M2 by default, "hybrid" FP8)
+
+A cast is ``q = quantize(x, scale, dtype)`` (saturating, ``x ≈ q / scale``).
+
+Scaling modes (``fp8.scaling``):
+
+* ``delayed``: a cast uses the scale computed at the last :meth:`Fp8Scaling.update` and only records
+  ``amax(x)`` (max over the casts since that update) in ``pending``. Once per optimizer step,
+  ``Fp8Scaling.update()`` reduces the pending amaxes of every role of every linear with ONE MAX
+  all-reduce over the TP group and then ONE over the DP group (one stacked fp32 vector: exactly two
+  collectives a step, ``4 bytes x 3 roles x linears`` on each group), pushes the result into each
+  role's amax history (``amax_history[0]`` is the newest) and sets
+  ``scale = scale_from_amax(max(history) | history[0], dtype, margin, power_of_two, previous=scale)``.
+  The very first cast of a role (``initialized`` false) has no history: it computes its scale
+  just in time from ``amax(x)`` MAX-reduced over TP and then over DP (the group given to
+  :class:`Fp8Scaling`), so every TP and DP rank of a stage starts from one scale; that amax also
+  goes into ``pending``.
+* ``current``: each cast computes its scale from the tensor itself: ``amax(x)`` MAX-reduced over the
+  TP group (one all-reduce per cast), then ``scale_from_amax``; the scale is also stored in ``scale``
+  (it is the fallback when a later amax is zero or not finite). DP ranks may differ; TP ranks agree.
+
+Why TP: under sequence parallelism each TP rank casts its own sequence slice of the activation and
+the FP8 bytes are then all-gathered (FP8-LM §2.3); a gathered tensor has one scale, so every rank
+must have cast with the same scale. Both modes guarantee that: delayed scales are identical on every
+TP (and DP) rank because every input to them was reduced over both groups; current scales use the
+TP-reduced amax. TP-sharded weights likewise get one scale for the whole logical tensor.
+
+Bad amaxes: an amax that is zero, inf or NaN keeps the previous scale (``scale_from_amax``). Under
+delayed scaling a non-finite reduced amax is entered into the history as 0 (no information), so one
+bad step does not freeze the scale for ``amax_history_len`` steps; the scale of that step is the
+previous one.
+
+Checkpointing: :meth:`Fp8Scaling.state_dict` holds every state tensor (scale, amax_history, pending,
+initialized) by a name that does not depend on the pipeline layout (the module's global path in the
+model, ``layers.3.attn.qkv``, which is the weight's global parameter name without ``.weight``), so a
+resumed run repeats the same scales bit for bit. Under delayed scaling these tensors are identical on
+every TP and DP rank of a stage; under current scaling only ``scale`` matters and it is per DP rank
+(it is a fallback only).
+
+The state tensors are plain tensors, not module buffers: ``module.double()`` / ``.to(bf16)`` must not
+change their dtype, and the model's own ``state_dict`` stays parameters only. They follow the device of
+the tensors cast (moved on first use, and by :meth:`Fp8Scaling.attach` to the weight's device).
+"""
+from __future__ import annotations
+
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fp8.format import E4M3, FORMATS, amax, quantize, scale_from_amax
+from parallel import comm
+from parallel.comm import Group
+from training.config import Fp8Config
+
+ROLES = ("input", "weight", "grad")
+FIELDS = ("scale", "amax_history", "pending", "initialized")
+SCALINGS = ("delayed", "current")
+AMAX_COMPUTES = ("max", "most_recent")
+
+
+def role_dtype(cfg: Fp8Config, role: str) -> torch.dtype:
+    """E4M3 for activations and weights, ``fp8.gradient_format`` for output gradients."""
+    if role in ("input", "weight"):
+        return E4M3
+    if role == "grad":
+        if cfg.gradient_format not in FORMATS:
+            raise ValueError(f"fp8.gradient_format must be one of {sorted(FORMATS)}, got {cfg.gradient_format!r}")
+        return FORMATS[cfg.gradient_format]
+    raise ValueError(f"unknown FP8 operand role {role!r} (expected one of {ROLES})")
+
+
+def _check_cfg(cfg: Fp8Config) -> None:
+    if cfg.scaling not in SCALINGS:
+        raise ValueError(f"fp8.scaling must be one of {SCALINGS}, got {cfg.scaling!r}")
+    if cfg.amax_compute not in AMAX_COMPUTES:
+        raise ValueError(f"fp8.amax_compute must be one of {AMAX_COMPUTES}, got {cfg.amax_compute!r}")
+    if cfg.amax_history_len < 1:
+        raise ValueError(f"fp8.amax_history_len must be >= 1, got {cfg.amax_history_len}")
+
+
+def _max_reduce(a: torch.Tensor, group: Optional[Group]) -> torch.Tensor:
+    """In-place MAX all-reduce of a small fp32 tensor (a group of one, or None, costs nothing)."""
+    if group is not None and group.size > 1:
+        comm.all_reduce(a, group, op="max")
+    return a
+
+
+class ScaleState:
+    """Scaling state of one operand role of one FP8 linear layer (see the module docstring)."""
+
+    def __init__(self, cfg: Fp8Config, role: str, device: Optional[torch.device] = None):
+        _check_cfg(cfg)
+        self.cfg, self.role = cfg, role
+        self.dtype = role_dtype(cfg, role)
+        self.dp: Optional[Group] = None
+        """Data-parallel group of the just-in-time init (set by :meth:`Fp8Scaling.attach`)."""
+        device = torch.device("cpu") if device is None else device
+        self.scale = torch.ones((), dtype=torch.float32, device=device)
+        self.amax_history = torch.zeros(cfg.amax_history_len, dtype=torch.float32, device=device)
+        self.pending = torch.zeros((), dtype=torch.float32, device=device)
+        self.initialized = torch.zeros((), dtype=torch.bool, device=device)
+        self._ready = False
+        """Host-side copy of ``initialized`` once it is true (no device sync per cast)."""
+
+    # -- plumbing ---------------------------------------------------------------------------------
+
+    def tensors(self) -> Dict[str, torch.Tensor]:
+        return {f: getattr(self, f) for f in FIELDS}
+
+    def to(self, device: torch.device) -> "ScaleState":
+        for f in FIELDS:
+            setattr(self, f, getattr(self, f).to(device))
+        return self
+
+    def _scale_from(self, a: torch.Tensor) -> torch.Tensor:
+        return scale_from_amax(a, self.dtype, self.cfg.margin, self.cfg.power_of_two_scales, previous=self.scale)
+
+    # -- the cast ---------------------------------------------------------------------------------
+
+    def cast(self, x: torch.Tensor, tp: Group) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``(q, scale)``: ``q = quantize(x, scale, self.dtype)`` and a copy of the scale used (0-dim fp32).
+
+        Collective on ``tp`` under current scaling (every cast) and on the first, just-in-time,
+        cast under delayed scaling (then over ``tp`` and the DP group): every member must cast too."""
+        if self.scale.device != x.device:
+            self.to(x.device)
+        with torch.no_grad():
+            a = amax(x).reshape(1)
+            if self.cfg.scaling == "current":
+                _max_reduce(a, tp)
+                self.scale.copy_(self._scale_from(a[0]))
+                self.initialized.fill_(True)
+            else:
+                if not self._ready and not bool(self.initialized):
+                    _max_reduce(a, tp)
+                    _max_reduce(a, self.dp)
+                    self.scale.copy_(self._scale_from(a[0]))
+                    self.initialized.fill_(True)
+                self._ready = True
+                # torch.maximum propagates NaN: a broken tensor is seen by the next update
+                torch.maximum(self.pending, a[0], out=self.pending)
+            scale = self.scale.clone()
+            return quantize(x, scale, self.dtype), scale
+
+    # -- delayed scaling --------------------------------------------------------------------------
+
+    def _advance(self, reduced: torch.Tensor) -> None:
+        """One update with the step's amax reduced over TP and DP (delayed scaling)."""
+        ok = torch.isfinite(reduced)
+        hist = torch.roll(self.amax_history, 1)
+        hist[0] = torch.where(ok, reduced, torch.zeros_like(reduced))
+        self.amax_history.copy_(hist)
+        a = hist.max() if self.cfg.amax_compute == "max" else hist[0]
+        self.scale.copy_(torch.where(ok, self._scale_from(a), self.scale))
+        self.pending.zero_()
+
+
+class Fp8States:
+    """The three operand roles of one FP8 linear layer: ``.input``, ``.weight``, ``.grad``."""
+
+    def __init__(self, cfg: Fp8Config, device: Optional[torch.device] = None):
+        self.cfg = cfg
+        self.input = ScaleState(cfg, "input", device)
+        self.weight = ScaleState(cfg, "weight", device)
+        self.grad = ScaleState(cfg, "grad", device)
+
+    def roles(self) -> Iterator[Tuple[str, ScaleState]]:
+        for r in ROLES:
+            yield r, getattr(self, r)
+
+    def to(self, device: torch.device) -> "Fp8States":
+        for _, s in self.roles():
+            s.to(device)
+        return self
+
+    def __repr__(self) -> str:
+        return f"Fp8States(scaling={self.cfg.scaling}, grad={self.grad.dtype})"
+
+
+def is_fp8_linear(module: nn.Module) -> bool:
+    """True for a layer that runs its GEMMs in FP8 (it carries ``fp8_states``)."""
+    return getattr(module, "fp8_states", None) is not None
+
+
+class Fp8Scaling:
+    """All FP8 scaling states of this rank's model chunks: naming, the per-step update, checkpoints."""
+
+    def __init__(self, cfg: Fp8Config, tp: Group, dp: Group):
+        _check_cfg(cfg)
+        self.cfg, self.tp, self.dp = cfg, tp, dp
+        self.states: Dict[str, Fp8States] = {}
+        """Global layer name (``layers.0.attn.qkv``, ``head``) -> its states, in a fixed (sorted) order."""
+
+    def attach(self, chunks: Sequence[nn.Module]) -> "Fp8Scaling":
+        """Find every FP8 linear of the model chunks; name it by its global path.
+
+        The path of a linear in a chunk is global (``layers.17.mlp.up``; chunks hold disjoint global
+        names), equal to its weight's global parameter name without ``.weight`` — except for a head
+        tied to the embedding on a single stage, whose weight parameter is named ``embedding.weight``
+        there and ``head.weight`` on a pipeline's last stage: the module path (``head``) is the same
+        in both, which is what keeps checkpoints valid across pipeline layouts."""
+        found: Dict[str, Fp8States] = {}
+        for chunk in chunks:
+            for name, module in chunk.named_modules():
+                if not is_fp8_linear(module):
+                    continue
+                if name in found:
+                    raise ValueError(f"FP8 linear {name!r} appears in two model chunks")
+                states: Fp8States = module.fp8_states
+                weight = getattr(module, "weight", None)
+                if isinstance(weight, torch.Tensor):
+                    states.to(weight.device)
+                for _, s in states.roles():
+                    if s.cfg.scaling != self.cfg.scaling:
+                        raise ValueError(f"FP8 linear {name!r} was built with scaling={s.cfg.scaling}, "
+                                         f"this Fp8Scaling has {self.cfg.scaling}")
+                    s.dp = self.dp
+                found[name] = states
+        self.states = {n: found[n] for n in sorted(found)}
+        return self
+
+    def _all(self) -> List[Tuple[str, str, ScaleState]]:
+        return [(name, role, s) for name, st in self.states.items() for role, s in st.roles()]
+
+    def update(self) -> None:
+        """Delayed scaling: once per optimizer step (after the backward of every micro-batch), on every
+        rank of the stage. Two collectives: MAX all-reduce of all pending amaxes over TP, then over DP.
+        A no-op under current scaling."""
+        if self.cfg.scaling != "delayed" or not self.states:
+            return
+        entries = self._all()
+        device = entries[0][2].pending.device
+        pending = torch.stack([s.pending.to(device) for _, _, s in entries])
+        comm.all_reduce(pending, self.tp, op="max")
+        comm.all_reduce(pending, self.dp, op="max")
+        with torch.no_grad():
+            for i, (_, _, s) in enumerate(entries):
+                s._advance(pending[i].to(s.pending.device))
+
+    def state_dict(self) -> Dict[str, torch.Tensor]:
+        """``{f"{name}.{role}.{field}": tensor}`` for field in scale, amax_history, pending, initialized
+        (CPU copies)."""
+        return {f"{name}.{role}.{field}": t.detach().cpu().clone()
+                for name, role, s in self._all() for field, t in s.tensors().items()}
+
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+        """Copy a :meth:`state_dict` back exactly; refuses missing or unexpected keys and mismatched
+        shapes or dtypes (nothing is changed then)."""
+        expected = {f"{name}.{role}.{field}": t for name, role, s in self._all() for field, t in s.tensors().items()}
+        missing = sorted(set(expected) - set(state))
+        unexpected = sorted(set(state) - set(expected))
+        problems = []
+        if missing:
+            problems.append(f"missing keys {missing}")
+        if unexpected:
+            problems.append(f"unexpected keys {unexpected}")
+        for key in sorted(set(expected) & set(state)):
+            want, got = expected[key], state[key]
+            if not isinstance(got, torch.Tensor):
+                problems.append(f"{key}: expected a tensor, got {type(got).__name__}")
+            elif tuple(got.shape) != tuple(want.shape) or got.dtype != want.dtype:
+                problems.append(f"{key}: expected shape {tuple(want.shape)} {want.dtype}, "
+                                f"got {tuple(got.shape)} {got.dtype}")
+        if problems:
+            raise ValueError("FP8 scaling state_dict does not match this model ("
+                             f"amax_history_len={self.cfg.amax_history_len}): " + "; ".join(problems))
+        with torch.no_grad():
+            for key, t in expected.items():
+                t.copy_(state[key])
+            for _, _, s in self._all():
+                s._ready = bool(s.initialized)
