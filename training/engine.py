@@ -7,17 +7,20 @@ tied embeddings over first+last stage) -> global norm, unscale, clip -> AdamW
 step, or a skipped step when gradients are not finite.
 
 Everything data-parallel is asked of one strategy object, ``self.dp``: plain DP
-(``parallel/data_parallel.py``, ZeRO stage 0) or ZeRO 1-3
-(``parallel/zero/sharded.py``). Both answer zero_grad, before_last_backward,
+(``parallel/data_parallel.py``, ZeRO stage 0), ZeRO 1-3
+(``parallel/zero/sharded.py``), or FP8-LM's (``fp8/zero.py``, stages 0-3). Both answer zero_grad, before_last_backward,
 finish_grads, clip and step; the engine knows nothing of shards.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Tuple
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from fp8.device import check_fp8_device
+from fp8.scaling import Fp8Scaling
+from fp8.zero import Fp8DataParallel
 from model.gpt import build_chunks, named_parameters
 from model.layers import TPContext
 from parallel import comm
@@ -38,11 +41,19 @@ class Engine:
         self.cfg, self.mesh = cfg, mesh
         m, layout = cfg.model, mesh.layout
         self.rng = RNGTracker(mesh.device, cfg.train.seed, mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
-        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng)
+        fp8 = cfg.precision == "fp8"
+        if fp8:
+            check_fp8_device(mesh.device, cfg.fp8)
+        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if fp8 else None)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
-        if cfg.zero.stage == 0:
+        self.fp8_scaling: Optional[Fp8Scaling] = None
+        if fp8:  # FP8-LM: scaling state of the FP8 GEMMs, and the FP8 data-parallel strategy (fp8/)
+            self.fp8_scaling = Fp8Scaling(cfg.fp8, mesh.tp, mesh.dp)
+            self.fp8_scaling.attach(self.chunks)
+            self.dp = Fp8DataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
+        elif cfg.zero.stage == 0:
             self.dp = DataParallel(cfg, mesh, self.chunks, self.params)
         else:
             self.dp = ZeroDataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
@@ -68,6 +79,8 @@ class Engine:
         losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
                                  dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
         self.dp.finish_grads()
+        if self.fp8_scaling is not None:
+            self.fp8_scaling.update()  # delayed scaling: this step's amaxes into the histories, next scales
         return self._global_loss(losses)
 
     def _global_loss(self, losses: List[torch.Tensor]) -> float:

@@ -12,8 +12,8 @@ from parallel.comm import Group
 from training.config import LossScaleConfig, TrainConfig
 
 
-COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
-"""The dtype each ``precision`` computes in."""
+COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
+"""The dtype each ``precision`` computes in (fp8: the linear layers' GEMMs in FP8, everything else bf16)."""
 
 
 def weight_decay_exempt(name: str, p: nn.Parameter) -> bool:
