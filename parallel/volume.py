@@ -33,7 +33,8 @@ from parallel.layout import Layout
 from parallel.schedule import sends, train_schedule
 from training.config import Config
 
-DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2}
+DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
+"""Bytes of the compute dtype (fp8: activations are bf16 outside the FP8 GEMMs)."""
 
 
 def _ring(n: int) -> float:
@@ -56,20 +57,25 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
     sp = layout.sequence_parallel
     out: Dict[str, float] = defaultdict(float)
 
+    fp8 = cfg.precision == "fp8"
+    head_fp8 = fp8 and cfg.fp8.output_head
     if t > 1:
         pair = 2 * (t - 1) / t * a  # one all-reduce, or one all-gather + one reduce-scatter (SP)
-        per_layer = 4 * pair
+        # FP8-LM: the SP all-gather in front of an FP8 linear moves E4M3 bytes, half of one gather
+        fp8_saving = (t - 1) / t * a / 2 if fp8 and sp and cfg.fp8.sequence_parallel_fp8 else 0.0
+        per_layer = 4 * pair - 2 * fp8_saving  # the QKV and MLP-up input gathers
         if m.activation_checkpointing == "full":
             # recomputation repeats the forward's collectives up to the last tensor backward needs (torch's
             # checkpoint stops early): the attention reduction, not the MLP's; under SP also the MLP's gather
-            per_layer += 1.5 * pair if sp else pair
+            per_layer += 1.5 * pair - 2 * fp8_saving if sp else pair
         per_mb = layers * per_layer
         if 0 in stages:
             per_mb += pair  # embedding
         if last_v in stages:
             per_mb += pair + 3 * _ring(t) * s * b * 4  # output layer input, cross entropy
+            per_mb -= fp8_saving if head_fp8 else 0.0
         out["tp"] += mb * per_mb
-        if sp and cfg.zero.stage == 0:  # (ZeRO sums only its shards' pieces: zero_step_bytes)
+        if sp and cfg.zero.stage == 0 and not fp8:  # (ZeRO and FP8 sum their pieces themselves: below)
             norm = h * (2 if m.norm == "layernorm" else 1)
             elems = layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)
             out["tp"] += _ring(t) * 4 * elems
@@ -78,7 +84,13 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
     for action in train_schedule(pp, vp, mb, pp_rank):
         out["pp"] += act * len(sends(action, pp, vp, pp_rank))
 
-    if cfg.zero.stage == 0:
+    if fp8:
+        for group, nbytes in fp8_dp_step_bytes(cfg, layout, rank).items():
+            out[group] += nbytes
+        linears = 4 * layers + (1 if head_fp8 and last_v in stages else 0)
+        for group, nbytes in fp8_amax_bytes(cfg, layout, linears, mb).items():
+            out[group] += nbytes
+    elif cfg.zero.stage == 0:
         local_params = _local_parameters(cfg, layout, stages)
         out["dp"] += _ring(layout.dp) * 4 * local_params
         if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
@@ -166,3 +178,62 @@ def _local_parameters(cfg: Config, layout: Layout, stages) -> float:
         if not m.tie_embeddings or 0 not in stages:
             total += v * h / t
     return total
+
+
+def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
+    """Data-parallel traffic of one step under ``precision=fp8`` (``fp8/zero.py``), per unit with the
+    ``whole_tensor`` partition (S its padded shard, T its tensors, N the DP size):
+
+      gradients   min of the T fp32 scales (all-reduce), all-to-all of N S FP8 bytes = (N-1) S;
+                  stage 0 all-gathers the reduced FP8 shards back, (N-1) S more
+      weights     stages 1-2: after the step, all-gather of (S + 4 T) bytes (E4M3 shard + its scales);
+                  stage 3: the same payload per gather (forward uses + 1 backward, per micro-batch), or with
+                  hpZ the first from primary shards and the rest (H-1)(ceil(P / H) + 4 T) on dp_hpz (P the
+                  unit's elements: the secondary slices hold the compact E4M3 bytes, no layout padding)
+      always      sequence-parallel gradient pieces of the unit (fp32) all-reduced over TP; the gradient
+                  norm's square (fp32) over the world (stage 0: the model-parallel ranks) and mu's overflow
+                  and element counts (two fp64) over the world."""
+    from parallel.zero.partition import shard_layout
+    from parallel.zero.units import chunk_units, meta_chunks
+
+    z, n, t = cfg.zero, layout.dp, layout.tp
+    pp_rank = layout.coords(rank)[0]
+    mb = layout.num_microbatches
+    out: Dict[str, float] = defaultdict(float)
+    for chunk in meta_chunks(cfg, layout, pp_rank):
+        units, uses = chunk_units(chunk)
+        for k, unit in enumerate(units):
+            T = len(unit.params)
+            kind = "flat" if z.stage == 0 else "whole_tensor"  # stage 0: no owner, any even split works
+            s = shard_layout([p.numel() for p in unit.params], n, kind).shard_size
+            out["dp"] += _ring(n) * 4 * T + (n - 1) * s * (2 if z.stage == 0 else 1)
+            payload = (n - 1) * (s + 4 * T)
+            if z.stage in (1, 2):
+                out["dp"] += payload
+            elif z.stage == 3:
+                gathers = mb * (sum(k in use.units for use in uses) + 1)
+                if z.hpz_size > 1:
+                    h = z.hpz_size
+                    out["dp"] += payload
+                    total = sum(p.numel() for p in unit.params)  # hpZ slices the compact bytes, no padding
+                    out["dp_hpz"] += (gathers - 1) * (h - 1) * (-(-total // h) + 4 * T)
+                else:
+                    out["dp"] += gathers * payload
+            sp = sum(p.numel() for p in unit.params if p.spec.sequence_parallel)
+            out["tp"] += _ring(t) * 4 * sp
+    out["mp" if z.stage == 0 else "world"] += _ring(layout.world_size if z.stage else layout.pp * t) * 4
+    out["world"] += _ring(layout.world_size) * 16
+    return dict(out)
+
+
+def fp8_amax_bytes(cfg: Config, layout: Layout, linears: int, microbatches: int) -> Dict[str, float]:
+    """The amax reductions of ``fp8/scaling.py`` for ``linears`` FP8 linear layers (3 tensor roles each: input,
+    weight, output gradient). Delayed scaling: once per step, one fp32 MAX all-reduce of every role's amax
+    over TP, then one over DP. Current scaling: each cast's amax over TP (input and weight per forward,
+    output gradient per backward)."""
+    t, d = layout.tp, layout.dp
+    roles = 3 * linears
+    if cfg.fp8.scaling == "delayed":
+        return {"tp": _ring(t) * 4 * roles, "dp": _ring(d) * 4 * roles}
+    forwards = 2 if cfg.model.activation_checkpointing == "full" else 1
+    return {"tp": _ring(t) * 4 * linears * microbatches * (2 * forwards + 1)}

@@ -109,10 +109,15 @@ class Checkpointer:
         """What the run reads (data files, split, weights, seed), recorded in meta.json; set by the trainer."""
 
     # -- state ------------------------------------------------------------------------------------
-    def _tensors(self, for_load: bool, with_optimizer: bool) -> Dict[str, torch.Tensor]:
+    def _tensors(self, for_load: bool, with_optimizer: bool, fp8: bool = True) -> Dict[str, torch.Tensor]:
         """Global-name -> this rank's part of each parameter (and AdamW moment), as the DP strategy holds it:
-        DTensors for plain DP, shard views for ZeRO; both under global names and shapes."""
+        DTensors for plain DP, shard views for ZeRO; both under global names and shapes. Under precision=fp8
+        also the FP8 scaling state (amax histories and scales, ``fp8.<tensor role>.*``: identical on every
+        TP and DP rank of a stage, so saved once) unless ``fp8`` is false (loading a checkpoint without it)."""
         state: Dict[str, torch.Tensor] = {}
+        scaling = self.engine.fp8_scaling
+        if scaling is not None and fp8:
+            state.update({f"fp8.{k}": v for k, v in scaling.state_dict().items()})
         for name, entry in self.engine.dp.checkpoint_state(with_optimizer).items():
             p = self.engine.params[name]
             key = p.spec.shared_with or name
@@ -135,6 +140,7 @@ class Checkpointer:
                 "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
                 "model": {k: getattr(self.cfg.model, k) for k in _MODEL_KEYS},
                 "layout": self._layout(), "data": self.data_fingerprint,
+                "fp8": self.engine.dp.fp8_state() if self.engine.fp8_scaling is not None else None,
                 "time": time.time(), "torch": torch.__version__}
 
     # -- save -------------------------------------------------------------------------------------
@@ -167,6 +173,8 @@ class Checkpointer:
                 hashes = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported below, on every rank
                 error = _save_error(e, tmp)
+            finally:
+                getattr(self.engine.dp, "after_save", lambda: None)()  # drop staging copies (fp8)
         gathered = comm.all_gather_object((hashes, error), self.world)
         errors = [e for _, e in gathered if e]
         if self.mesh.rank == 0 and not errors:
@@ -301,7 +309,14 @@ class Checkpointer:
         if mismatched:
             fields = ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({fields})")
-        dcp.load(self._tensors(for_load=True, with_optimizer=with_optimizer), checkpoint_id=str(path))
+        saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
+        tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8)
+        if saved_fp8 and self.engine.fp8_scaling is not None:
+            scaling = self.engine.fp8_scaling
+            dcp.load(tensors, checkpoint_id=str(path))
+            scaling.load_state_dict({k[len("fp8."):]: v for k, v in tensors.items() if k.startswith("fp8.")})
+        else:
+            dcp.load(tensors, checkpoint_id=str(path))
         self.engine.dp.after_load()
         if with_optimizer:
             self._restore_counters(meta, path)
@@ -312,6 +327,8 @@ class Checkpointer:
         engine.step = meta["step"]
         engine.skipped_steps = meta["skipped_steps"]
         engine.scaler.load_state_dict(meta["loss_scaler"])
+        if engine.fp8_scaling is not None and meta.get("fp8") is not None:
+            engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
         engine.dp.set_optimizer_steps(engine.step - engine.skipped_steps)
         same = meta["layout"] == self._layout()
         rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"

@@ -44,6 +44,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     z = cfg.zero
     pp_rank = layout.coords(rank)[0]
     chunks = meta_chunks(cfg, layout, pp_rank)
+    if cfg.precision == "fp8":
+        return _fp8_state_bytes(cfg, layout, rank, chunks)
     if z.stage == 0:
         phi = sum(p.numel() for c in chunks for p in c.parameters())
         return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": 8 * phi, "working_peak": 0}
@@ -74,6 +76,43 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         spans = [(backwards.index(c), len(backwards) - 1 - backwards[::-1].index(c)) for c in range(len(chunks))]
         out["working_peak"] = max(sum(g for g, (a, b) in zip(chunk_grads, spans) if a <= t <= b)
                                   for t in range(len(backwards)))
+    return out
+
+
+def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
+    """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, ``first`` rotating with the unit) hold master
+    (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a parameter, packed; ``fp8_weights``: stages
+    1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the owned ones and hpZ's secondary slice; T fp32
+    scales per buffer.
+    Working: bf16 weights materialised per module (every stage) and fp32 gradient accumulation."""
+    z, n = cfg.zero, layout.dp
+    dp_rank = layout.coords(rank)[1]
+    master = 2 if cfg.fp8.master_dtype == "fp16" else 4
+    out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
+    peaks, index = [0], 0
+    for chunk in chunks:
+        units, uses = chunk_units(chunk)
+        full_p, full_g = [], []
+        for unit in units:
+            numels = [p.numel() for p in unit.params]
+            total, t = sum(numels), len(numels)
+            if z.stage == 0:
+                owned = total
+            else:
+                lay = shard_layout(numels, n, "whole_tensor", first=index % n)
+                owned = sum(numels[i] for i, _, _, _ in lay.owned(dp_rank))
+            index += 1
+            w8 = total if z.stage in (1, 2) else owned if z.stage == 3 else 0
+            out["parameters"] += master * owned + 4 * t
+            out["fp8_weights"] += w8 + 4 * t
+            if z.stage == 3 and z.hpz_size > 1:
+                out["fp8_weights"] += -(-total // z.hpz_size) + 4 * t
+            out["gradients"] += owned + 4 * t
+            out["optimizer"] += 3 * owned + 8 * t
+            full_p.append(2 * total)
+            full_g.append(4 * total)
+        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, z.prefetch))
+    out["working_peak"] = max(peaks)
     return out
 
 

@@ -74,7 +74,10 @@ class MetricsLogger:
         self.file.write(json.dumps(record) + "\n")
         print(format_line(record), flush=True)
         if self.wandb is not None:
-            flat = {k: v for k, v in record.items() if k not in ("step", "comm", "quant_error") and v is not None}
+            flat = {k: v for k, v in record.items()
+                    if k not in ("step", "comm", "quant_error", "fp8") and v is not None}
+            for k, v in record.get("fp8", {}).items():
+                flat[f"fp8/{k}"] = v
             for what, err in record.get("quant_error", {}).items():
                 if err is not None:
                     flat[f"quant_error/{what}"] = err
@@ -138,4 +141,7 @@ def format_line(r: Dict[str, Any]) -> str:
         parts.append(f"skipped {r['skipped_steps']}")
     if r.get("loss_scale", 1.0) != 1.0:
         parts.append(f"scale {r['loss_scale']:.0f}")
+    if r.get("fp8"):
+        f = r["fp8"]
+        parts.append(f"fp8 mu {f['mu']:g} (overflow {100 * f['overflow_fraction']:.4f}%, {f['mu_changes']} changes)")
     return " | ".join(parts)

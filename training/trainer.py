@@ -195,8 +195,12 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
         if state_bytes is None:  # measured once, after the first step (optimizer state exists, gathers happened)
             state_bytes = engine.dp.memory()
             if main:
-                print(f"[train] model states per rank (rank 0, zero.stage={cfg.zero.stage}): "
-                      + ", ".join(f"{k} {v / 2**20:.2f} MiB" for k, v in state_bytes.items()), flush=True)
+                phi = sum(p.numel() for p in engine.params.values())  # rank 0's parameters
+                state = sum(v for k, v in state_bytes.items() if k != "working_peak")
+                print(f"[train] model states per rank (rank 0, precision={cfg.precision}, zero.stage={cfg.zero.stage},"
+                      f" {phi / 1e6:.2f}M parameters): "
+                      + ", ".join(f"{k} {v / 2**20:.2f} MiB ({v / phi:.2f} B/param)" for k, v in state_bytes.items())
+                      + f"; model state {state / phi:.2f} B/param (bf16 AdamW: 16)", flush=True)
         consumed += g
         step = engine.step
         streak = streak + 1 if stats["skipped"] else 0
@@ -211,7 +215,8 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "mfu": tflops / peak if peak else None, "peak_mem_bytes": peak_memory_bytes(device),
                         "comm": mesh.ledger.snapshot(), "step_time_s": window_time / window_steps,
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
-                        "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time()})
+                        "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time(),
+                        **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {})})
             window_time, window_steps = 0.0, 0
         if sample:
             logger.log({"step": step, "quant_error": engine.dp.quant_error()})

@@ -1,0 +1,497 @@
+"""The data-parallel strategy under ``precision=fp8`` (FP8-LM §2.1-2.3), ZeRO stages 0-3.
+
+The engine talks to it through the same calls as ``parallel/zero/sharded.py``
+(zero_grad, before_last_backward, finish_grads, clip, step, checkpoints); it
+reuses that module's gather-before-use / release-after hooks and differs in what
+each unit keeps:
+
+  model state (persistent)               stage 0        stages 1-2         stage 3
+  master weights  FP16 + scale (or FP32)  whole unit     owned tensors      owned tensors
+  Adam m          E4M3 + scale            whole unit     owned tensors      owned tensors
+  Adam v          FP16 + scale            whole unit     owned tensors      owned tensors
+  gradients       FP8 + scale             whole unit     owned tensors      owned tensors
+  weights         -                       E4M3, whole    E4M3, owned (+ hpZ secondary)
+
+"Owned" is ZeRO's ``whole_tensor`` partition (``parallel/zero/partition.py``):
+every tensor lives whole on one DP rank, so each keeps its per-tensor scales
+(they cannot be split), and the scales travel with their tensors: an FP8 weight
+gather moves each rank's E4M3 shard with its fp32 scales appended, as one uint8
+payload. Stage 1 keeps gradient shards like stage 2: the FP8 reduction produces
+them anyway. One rank: stage 0 keeps 2 + 1 + 1 + 2 = 6 bytes a parameter.
+
+The compute weights (bf16, what autograd and the norms see) are *working*
+buffers for every stage: materialised before a module runs and released after,
+from the master (stage 0), from the persistent E4M3 copy (stages 1-2), or by the
+FP8 all-gather (stage 3, within the hpZ group when its secondary is valid). The
+FP8 linears cast them to E4M3 with their own scales (``fp8/linear.py``).
+
+A step: backward accumulates each parameter's gradient into its unit's fp32
+working buffer; on the last micro-batch, once the unit is complete, the
+sequence-parallel norm pieces are summed over TP, every tensor is cast to FP8 as
+g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
+scale, FP8 bytes moved, fp32 sum, result scale N * s'_g); stage 0 all-gathers
+the reduced FP8 shards. ``clip`` takes the norm of the reduced gradients, treats
+mu as a loss scale, and updates mu from the world's overflow count. ``step``
+runs the FP8 AdamW (``fp8/adam.py``) on each owned tensor, then refreshes the
+E4M3 weights.
+
+Checkpoints hold fp32 values under the same global names as every other
+precision (``model.*``, ``optim.*.exp_avg(_sq)``); all optimizer scales are
+powers of two derived from the values, so dequantize -> save -> load ->
+requantize gives back the very same bits (bitwise resume).
+"""
+from __future__ import annotations
+
+import math
+from functools import partial
+from typing import Dict, List, Optional, Sequence, Tuple
+
+import torch
+from torch import nn
+
+from fp8 import adam
+from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
+from fp8.grad_comm import AutoScale, all_reduce_fp8, cast_gradient, reduce_scatter_fp8
+from parallel import comm
+from parallel.mesh import Mesh
+from parallel.zero.dcp_view import shard_view
+from parallel.zero.partition import shard_layout
+from parallel.zero.sharded import Working, ZeroDataParallel
+from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
+from training.config import Config
+from training.optim import grad_factor, owns_gradient, weight_decay_exempt
+
+MASTER_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
+
+
+class Fp8Unit:
+    """One unit's FP8-LM state on this rank (see the module docstring for what lives where).
+
+    Three coordinate systems: ``bounds`` place tensors in the reduction/gather layout (N shards of S,
+    padded), ``where`` in this rank's packed state buffers (owned tensors back to back, no padding), and
+    ``compact`` in the unit's working buffers (all tensors back to back)."""
+
+    def __init__(self, spec: UnitSpec, index: int, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int,
+                 master_dtype: torch.dtype, working: Working, hpz: int):
+        self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
+        self.names = [names[p] for p in self.params]
+        dp, device = mesh.dp, mesh.device
+        numels = [p.numel() for p in self.params]
+        # stage 0 reduces over a flat layout (the shared scale makes any split valid); stages 1-3 own whole
+        # tensors, the starting rank rotating with the unit so one-tensor units spread over the ranks
+        self.layout = (shard_layout(numels, dp.size, "flat") if stage == 0 else
+                       shard_layout(numels, dp.size, "whole_tensor", first=index % dp.size))
+        self.S, self.T, self.N, self.rank = self.layout.shard_size, len(self.params), dp.size, dp.rank
+        self.bounds = [(off, off + n) for n, off in zip(numels, self.layout.offsets)]
+        at = [0]
+        for n in numels:
+            at.append(at[-1] + n)
+        self.compact = [(at[i], at[i + 1]) for i in range(self.T)]
+        self.numel = at[-1]
+        self.owned = list(range(self.T)) if stage == 0 else [i for i, _, _, _ in self.layout.owned(self.rank)]
+        self.where: Dict[int, Tuple[int, int]] = {}
+        k = 0
+        for i in self.owned:
+            self.where[i] = (k, k + numels[i])
+            k += numels[i]
+        self.extent = k
+        self.decay = {i: not weight_decay_exempt(self.names[i], self.params[i]) for i in self.owned}
+        self.in_norm = {i: owns_gradient(self.params[i], mesh.tp_rank) for i in self.owned}
+        self.sp = [i for i, p in enumerate(self.params) if p.spec.sequence_parallel]
+        # optimizer state of the owned tensors, masters from the initial values
+        self.master = torch.zeros(self.extent, dtype=master_dtype, device=device)
+        self.m = torch.zeros(self.extent, dtype=E4M3, device=device)
+        self.v = torch.zeros(self.extent, dtype=torch.float16, device=device)
+        self.master_scale = torch.ones(self.T, dtype=torch.float32, device=device)
+        self.m_scale = torch.ones_like(self.master_scale)
+        self.v_scale = torch.ones_like(self.master_scale)
+        with torch.no_grad():
+            for i in self.owned:
+                a, b = self.where[i]
+                adam.set_master(self.master[a:b], self.master_scale[i], self.params[i].detach().flatten().float())
+        # reduced FP8 gradients of the owned tensors (raw bytes), their scales N * s'_g
+        self.grad8 = torch.zeros(self.extent, dtype=torch.uint8, device=device)
+        self.grad_scale = torch.ones_like(self.master_scale)
+        self.grad_acc: Optional[torch.Tensor] = None  # fp32 working accumulation during backward
+        # E4M3 weights: stages 1-2 every tensor (compact), stage 3 the owned ones (packed)
+        self.w8 = torch.zeros(self.numel if stage in (1, 2) else self.extent if stage == 3 else 0, dtype=E4M3,
+                              device=device)
+        self.w8_scale = torch.ones_like(self.master_scale)
+        # hpZ (stage 3): slice h of the unit's gathered E4M3 bytes (compact), and every tensor's scale
+        self.hpz = hpz
+        self.secondary = (torch.zeros(-(-self.numel // hpz), dtype=torch.uint8, device=device) if hpz > 1 else None)
+        self.secondary_scale = torch.ones_like(self.master_scale) if hpz > 1 else None
+        self.secondary_valid = False
+        self.gathered8: Optional[torch.Tensor] = None  # the E4M3 bytes of the last gather, until release
+        # the compute (bf16) working weights, materialised on demand
+        self.full = torch.zeros(self.numel, dtype=torch.bfloat16, device=device)
+        for p, (a, b) in zip(self.params, self.compact):
+            p.data = self.full[a:b].view(p.shape)
+        self.full.untyped_storage().resize_(0)
+        self.gathered, self.gather_work = False, None
+        self.arrived, self.reduced, self.tied = 0, False, False
+
+    @property
+    def full_bytes(self) -> int:
+        return self.full.numel() * self.full.element_size()
+
+    def master_value(self, i: int) -> torch.Tensor:
+        a, b = self.where[i]
+        return adam.master_value(self.master[a:b], self.master_scale[i])
+
+    def grad_view(self, i: int) -> torch.Tensor:
+        if self.grad_acc is None:
+            self.grad_acc = torch.zeros(self.numel, dtype=torch.float32, device=self.full.device)
+            self.working.add(self.grad_acc.numel() * 4)
+        a, b = self.compact[i]
+        return self.grad_acc[a:b].view(self.params[i].shape)
+
+    def set_weights(self, data: torch.Tensor, scales: torch.Tensor) -> None:
+        """Dequantize every tensor's E4M3 bytes (compact order) into the bf16 working buffer."""
+        for i, (a, b) in enumerate(self.compact):
+            self.full[a:b] = dequantize(data[a:b].view(E4M3), scales[i], torch.bfloat16)
+
+
+class _Gather:
+    """An FP8 weight all-gather in flight; ``wait`` unpacks the gathered rows into compact E4M3 bytes and
+    their scales (``unpack``) and dequantizes them into the working weights."""
+
+    def __init__(self, unit: Fp8Unit, work, out: torch.Tensor, unpack):
+        self.unit, self.work, self.out, self.unpack = unit, work, out, unpack
+
+    def wait(self) -> None:
+        self.work.wait()
+        data, scales = self.unpack(self.out)
+        u = self.unit
+        u.set_weights(data, scales)
+        if u.secondary is not None and not u.secondary_valid:
+            u.gathered8 = data
+            u.secondary_scale.copy_(scales)
+
+
+class Fp8DataParallel(ZeroDataParallel):
+    def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
+        f, z = cfg.fp8, cfg.zero
+        assert not (cfg.model.tie_embeddings and mesh.layout.pp > 1), "refused by validate_config"
+        self.cfg, self.mesh, self.stage = cfg, mesh, z.stage
+        self.compute_dtype = torch.bfloat16
+        self.grad_fmt = FORMATS[f.gradient_format]
+        self.working = Working()
+        self.qwz = self.qgz = None
+        self.hpz = mesh.hpz_group(z.hpz_size) if z.hpz_size > 1 else None
+        self.sampling = False
+        self.autoscale = AutoScale(f.mu_initial, f.mu_overflow_threshold, f.mu_growth_interval)
+        self.mu_record: Dict[str, float] = {}
+        self._cast_mu = self.autoscale.mu
+        self._overflow = torch.zeros(2, dtype=torch.float64, device=mesh.device)  # overflowing, counted elements
+        master_dtype = MASTER_DTYPES[f.master_dtype]
+        self.chunk_units: List[List[Fp8Unit]] = []
+        self.chunk_uses: List[List[ModuleUse]] = []
+        self._where: Dict[nn.Parameter, Tuple[Fp8Unit, int]] = {}
+        index = 0
+        for chunk in chunks:
+            specs, uses = chunk_units(chunk)
+            units = []
+            for spec in specs:
+                unit = Fp8Unit(spec, index, names, mesh, self.stage, master_dtype, self.working, z.hpz_size)
+                index += 1
+                for i, p in enumerate(unit.params):
+                    self._where[p] = (unit, i)
+                    p.register_post_accumulate_grad_hook(self._on_grad)
+                units.append(unit)
+            self.chunk_units.append(units)
+            self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
+        self.units = [u for units in self.chunk_units for u in units]
+        self._syncing = [False] * len(self.chunk_units)
+        self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
+        self._factor = 1.0
+        self.optimizer_steps = 0
+        self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
+        self._refresh_weights()
+        self._register_gather_hooks(chunks)
+
+    # -- gradients ----------------------------------------------------------------------------------
+    def zero_grad(self) -> None:
+        for u in self.units:
+            u.arrived, u.reduced = 0, False
+        self._syncing = [False] * len(self.chunk_units)
+
+    def _on_grad(self, p: nn.Parameter) -> None:
+        unit, i = self._where[p]
+        unit.grad_view(i).add_(p.grad)
+        p.grad = None
+        unit.arrived += 1
+        if unit.arrived < len(unit.params):
+            return
+        unit.arrived = 0
+        self._release(unit)
+        if self._syncing[self._chunk_of[id(unit)]]:
+            self._reduce(unit)
+
+    @torch.no_grad()
+    def _reduce(self, unit: Fp8Unit) -> None:
+        """Cast the unit's accumulated gradients to FP8 (g' = mu g) and reduce them over DP (FP8-LM §2.1)."""
+        unit.reduced = True
+        self._cast_mu = self.autoscale.mu
+        if unit.grad_acc is None:  # no gradient reached this unit: zeros, reduced like any other
+            unit.grad_view(0)
+        acc = unit.grad_acc
+        if unit.sp and self.mesh.tp.size > 1:  # each TP rank normalised only its sequence slice: sum over TP
+            pieces = [acc[unit.compact[i][0]:unit.compact[i][1]] for i in unit.sp]
+            flat = torch.cat(pieces)
+            comm.all_reduce(flat, self.mesh.tp)
+            torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
+        data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
+        scales = torch.ones(unit.T, dtype=torch.float32, device=acc.device)
+        margin, power_of_two = self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales
+        saturated = 0
+        for i, ((a, b), (lo, hi)) in enumerate(zip(unit.compact, unit.bounds)):
+            q, s, sat = cast_gradient(acc[a:b], self.autoscale.mu, self.grad_fmt, margin, power_of_two)
+            data[lo:hi], scales[i] = q, s
+            saturated += sat
+        unit.grad_acc = None
+        self.working.sub(acc.numel() * 4)
+        del acc
+        dp = self.mesh.dp
+        if self.stage == 0:  # every rank keeps the whole reduced gradient (flat layout: bounds == where)
+            out, result_scale, overflow, numel = all_reduce_fp8(data, scales, unit.bounds, dp)
+            unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
+        else:  # this rank keeps its owned tensors' sums, cast back to FP8 (data in the scale N s'_g convention)
+            res = reduce_scatter_fp8(data, scales, unit.bounds, dp)
+            base = unit.rank * unit.S
+            for i in unit.owned:
+                a, b = unit.where[i]
+                lo, hi = unit.bounds[i]
+                unit.grad8[a:b] = quantize(res.sum[lo - base:hi - base], 1.0, self.grad_fmt).view(torch.uint8)
+            result_scale, overflow, numel = res.result_scale, res.overflow, res.numel
+        unit.grad_scale.copy_(result_scale)
+        self._overflow[0] += overflow + saturated
+        self._overflow[1] += numel
+
+    def finish_grads(self) -> None:
+        for u in self.units:
+            if not u.reduced:  # a unit that got no gradient hook on the last backward
+                self._reduce(u)
+
+    def _grad(self, u: Fp8Unit, i: int) -> torch.Tensor:
+        """The DP mean of mu * g for owned tensor i, fp32."""
+        a, b = u.where[i]
+        return dequantize(u.grad8[a:b].view(self.grad_fmt), u.grad_scale[i])
+
+    # -- optimizer --------------------------------------------------------------------------------
+    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+        """Global norm of the reduced gradients (mu is a loss scale here); then mu follows the overflow count."""
+        sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
+        for u in self.units:
+            for i in u.owned:
+                if u.in_norm[i]:
+                    sq += self._grad(u, i).square().sum()
+        # stage 0: every DP rank holds every gradient, so the norm is over the model-parallel ranks only
+        comm.all_reduce(sq, self.mesh.mp if self.stage == 0 else self.mesh.world)
+        counts = self._overflow.clone()
+        comm.all_reduce(counts, self.mesh.world)
+        self._overflow.zero_()
+        mu = self.autoscale.mu
+        norm = math.sqrt(sq.item()) / (loss_scale * mu)
+        finite = math.isfinite(norm)
+        overflow = counts[0].item() if finite else counts[1].item()
+        self.autoscale.update(int(overflow), max(int(counts[1].item()), 1))
+        self.mu_record = {"mu": mu, "overflow_fraction": self.autoscale.last_fraction,
+                          "mu_changes": self.autoscale.changes}
+        if not finite:
+            return norm, False
+        self._factor = grad_factor(norm, loss_scale * mu, max_norm)
+        return norm, True
+
+    @torch.no_grad()
+    def step(self, lr: float) -> None:
+        t = self.cfg.train
+        self.optimizer_steps += 1
+        for u in self.units:
+            for i in u.owned:
+                a, b = u.where[i]
+                adam.adamw_update(u.master[a:b], u.master_scale[i], u.m[a:b], u.m_scale[i], u.v[a:b],
+                                  u.v_scale[i], self._grad(u, i) * self._factor, step=self.optimizer_steps, lr=lr,
+                                  beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                                  weight_decay=t.weight_decay if u.decay[i] else 0.0)
+        self._refresh_weights()
+
+    @torch.no_grad()
+    def _refresh_weights(self) -> None:
+        """E4M3 weights from the masters (stages 1-3); stages 1-2 all-gather them with their scales."""
+        for u in self.units:
+            u.secondary_valid = False
+            if self.stage == 0:
+                continue
+            for i in u.owned:
+                value = u.master_value(i)
+                s = scale_from_amax(amax(value), E4M3)
+                a, b = u.compact[i] if self.stage in (1, 2) else u.where[i]
+                u.w8[a:b] = quantize(value, s, E4M3)
+                u.w8_scale[i] = s
+            if self.stage in (1, 2):
+                data, scales = self._all_gather_weights(u)
+                u.w8.view(torch.uint8).copy_(data)
+                u.w8_scale.copy_(scales)
+
+    def _payload(self, u: Fp8Unit) -> torch.Tensor:
+        """This rank's shard of E4M3 bytes (layout positions, zero padding) with the unit's fp32 scales appended
+        (its own tensors' entries are the ones read): what a weight gather moves."""
+        out = torch.zeros(u.S + 4 * u.T, dtype=torch.uint8, device=u.master.device)
+        base = u.rank * u.S
+        for i in u.owned:
+            lo, hi = u.bounds[i]
+            a, b = u.compact[i] if self.stage in (1, 2) else u.where[i]
+            out[lo - base:hi - base] = u.w8[a:b].view(torch.uint8)
+        out[u.S:] = u.w8_scale.view(torch.uint8)
+        return out
+
+    def _unpack(self, u: Fp8Unit, out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+        """Compact E4M3 bytes and per-tensor scales (each from its owner's row) of a gathered payload."""
+        rows = out.view(u.N, u.S + 4 * u.T)
+        flat = rows[:, :u.S].reshape(-1)
+        data = torch.cat([flat[a:b] for a, b in u.bounds]) if u.T > 1 else flat[u.bounds[0][0]:u.bounds[0][1]]
+        table = rows[:, u.S:].contiguous().view(torch.float32)  # [N, T]
+        owners = torch.tensor([u.layout.owner(i) for i in range(u.T)], device=out.device)
+        return data, table[owners, torch.arange(u.T, device=out.device)]
+
+    def _all_gather_weights(self, u: Fp8Unit, async_op: bool = False):
+        payload = self._payload(u)
+        out = torch.empty(u.N * payload.numel(), dtype=torch.uint8, device=payload.device)
+        work = comm.all_gather(out, payload, self.mesh.dp, async_op=async_op)
+        if async_op:
+            return _Gather(u, work, out, partial(self._unpack, u))
+        return self._unpack(u, out)
+
+    # -- working weights: materialise before use, release after ----------------------------------------
+    def _start_gather(self, unit: Fp8Unit) -> None:
+        if unit.gathered or unit.gather_work is not None:
+            return
+        unit.full.untyped_storage().resize_(unit.full_bytes)
+        self.working.add(unit.full_bytes)
+        with torch.no_grad():
+            if self.stage == 0:  # this rank holds every master
+                for i, (a, b) in enumerate(unit.compact):
+                    unit.full[a:b] = unit.master_value(i).to(torch.bfloat16)
+                unit.gathered = True
+            elif self.stage in (1, 2):  # the persistent E4M3 copy
+                unit.set_weights(unit.w8, unit.w8_scale)
+                unit.gathered = True
+            elif unit.secondary_valid:  # hpZ: inside the node
+                group, n = self.hpz, unit.secondary.numel()
+                payload = torch.cat([unit.secondary, unit.secondary_scale.view(torch.uint8)])
+                out = torch.empty(group.size * payload.numel(), dtype=torch.uint8, device=payload.device)
+                work = comm.all_gather(out, payload, group, async_op=True)
+
+                def unpack(out: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor]:
+                    rows = out.view(group.size, -1)
+                    return rows[:, :n].reshape(-1)[:unit.numel], rows[0, n:].contiguous().view(torch.float32)
+
+                unit.gather_work = _Gather(unit, work, out, unpack)
+            else:  # stage 3: every rank's E4M3 shard with its scales
+                unit.gather_work = self._all_gather_weights(unit, async_op=True)
+
+    def _keep_secondary(self, unit: Fp8Unit) -> None:
+        """hpZ: keep this rank's slice of the gathered E4M3 bytes (the bytes, not bf16 values dequantized from
+        them, so every later gather inside the node gives exactly what the first one gave)."""
+        if unit.gathered8 is None:
+            raise RuntimeError(f"hpZ: unit {unit.name} has no gathered FP8 weights to keep")
+        n = unit.secondary.numel()
+        piece = unit.gathered8[self.hpz.rank * n:(self.hpz.rank + 1) * n]
+        unit.secondary.zero_()
+        unit.secondary[:piece.numel()] = piece
+
+    def _release(self, unit: Fp8Unit) -> None:
+        super()._release(unit)
+        unit.gathered8 = None
+
+    # -- observability ----------------------------------------------------------------------------
+    def quant_error(self) -> Dict[str, Optional[float]]:
+        return {"weights": None, "gradients": None}
+
+    def fp8_record(self) -> Dict[str, float]:
+        """mu, the overflow fraction that decided its next value, and how often it changed (FP8-LM §2.1)."""
+        return dict(self.mu_record)
+
+    # -- checkpoints ------------------------------------------------------------------------------
+    def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
+        """Per parameter name: fp32 values of its master weights (and Adam moments) as global tensors of which
+        this rank holds its owned tensors; loading writes into the same staging buffers (``after_load``)."""
+        out: Dict[str, Dict[str, torch.Tensor]] = {}
+        self._staging = []
+        for u in self.units:
+            stage = {"model": torch.zeros(u.extent, dtype=torch.float32, device=u.master.device)}
+            if with_optimizer:
+                stage["exp_avg"] = torch.zeros_like(stage["model"])
+                stage["exp_avg_sq"] = torch.zeros_like(stage["model"])
+            for i in u.owned:
+                a, b = u.where[i]
+                stage["model"][a:b] = u.master_value(i)
+                if with_optimizer:
+                    stage["exp_avg"][a:b] = dequantize(u.m[a:b], u.m_scale[i])
+                    stage["exp_avg_sq"][a:b] = dequantize(u.v[a:b], u.v_scale[i])
+            self._staging.append(stage)
+            for i, (name, p) in enumerate(zip(u.names, u.params)):
+                spec, local = p.spec, tuple(p.shape)
+                offset = [0] * len(local)
+                if spec.tp_dim is not None:
+                    offset[spec.tp_dim] = self.mesh.tp_rank * local[spec.tp_dim]
+                pieces = {k: [(0, p.numel(), buf[u.where[i][0]:u.where[i][1]])] if i in u.where else []
+                          for k, buf in stage.items()}
+                out[name] = {k: shard_view(spec.global_shape, local, offset, pieces[k], buf)
+                             for k, buf in stage.items()}
+        return out
+
+    def after_save(self) -> None:
+        self._staging = None
+
+    @torch.no_grad()
+    def after_load(self) -> None:
+        """The staging buffers were loaded: requantize masters and moments (same scale rules as the optimizer,
+        so a checkpoint of this run gives back the same bits), then refresh the E4M3 weights."""
+        staging, self._staging = self._staging, None
+        if staging is not None:
+            for u, stage in zip(self.units, staging):
+                for i in u.owned:
+                    a, b = u.where[i]
+                    adam.set_master(u.master[a:b], u.master_scale[i], stage["model"][a:b])
+                    if "exp_avg" in stage:
+                        adam.set_moments(u.m[a:b], u.m_scale[i], u.v[a:b], u.v_scale[i], stage["exp_avg"][a:b],
+                                         stage["exp_avg_sq"][a:b])
+        self._refresh_weights()
+
+    def fp8_state(self) -> Dict[str, float]:
+        return self.autoscale.state_dict()
+
+    def load_fp8_state(self, state: Dict[str, float]) -> None:
+        self.autoscale.load_state_dict(state)
+
+    def unsharded_grads(self) -> Dict[str, torch.Tensor]:
+        """Every parameter's reduced gradient (DP mean, mu removed), gathered over DP: a collective, for tests."""
+        out = {}
+        mu = self._cast_mu  # the mu this step's gradients were cast with (clip may have moved it since)
+        for u in self.units:
+            full = torch.zeros(u.numel, dtype=torch.float32, device=u.master.device)
+            for i in u.owned:
+                a, b = u.compact[i]
+                full[a:b] = self._grad(u, i) / mu
+            if self.stage > 0:
+                comm.all_reduce(full, self.mesh.dp)
+            for name, p, (a, b) in zip(u.names, u.params, u.compact):
+                out[name] = full[a:b].view(p.shape)
+        return out
+
+    # -- accounting ---------------------------------------------------------------------------------
+    def memory(self) -> Dict[str, int]:
+        """Bytes this rank holds now, by component (scales included)."""
+        def nbytes(*ts: Optional[torch.Tensor]) -> int:
+            return sum(t.numel() * t.element_size() for t in ts if t is not None)
+
+        params = sum(nbytes(u.master, u.master_scale) for u in self.units)
+        weights = sum(nbytes(u.w8, u.w8_scale, u.secondary, u.secondary_scale) for u in self.units)
+        grads = sum(nbytes(u.grad8, u.grad_scale) for u in self.units)
+        optim = sum(nbytes(u.m, u.m_scale, u.v, u.v_scale) for u in self.units)
+        # "parameters" is the master copy: with gradients and optimizer, FP8-LM's 6 bytes a parameter;
+        # "fp8_weights" the E4M3 compute copy kept between steps (stages 1-3; none at stage 0)
+        return {"parameters": params, "gradients": grads, "optimizer": optim, "fp8_weights": weights,
+                "working_peak": self.working.peak}
