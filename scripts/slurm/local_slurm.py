@@ -214,7 +214,7 @@ SlurmUser=root
 SlurmdUser=root
 AuthType=auth/munge
 CredType=cred/munge
-AuthInfo=socket={sock}
+AuthInfo=socket={sock},cred_expire=10
 CommunicationParameters=NoInAddrAny
 StateSaveLocation={d / 'ctld'}
 SlurmdSpoolDir={d / 'spool'}/%n
