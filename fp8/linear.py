@@ -79,9 +79,9 @@ def _check_device(x: torch.Tensor, tokens: int, in_features: int, out_features: 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
     def forward(ctx, x, weight, bias, states: Fp8States, tp: Group, sp_gather: bool, emulate: bool,
-                out_dtype: torch.dtype):
+                out_dtype: torch.dtype, record: bool):
         in_features = x.shape[-1]
-        qx, sx = states.input.cast(x, tp)
+        qx, sx = states.input.cast(x, tp, record=record)
         if sp_gather:
             qx = qx.contiguous()
             gathered = qx.new_empty((qx.shape[0] * tp.size,) + tuple(qx.shape[1:]))
@@ -89,7 +89,7 @@ class _Fp8Linear(torch.autograd.Function):
             qx = gathered
         lead = qx.shape[:-1]
         qx2 = qx.reshape(-1, in_features)
-        qw, sw = states.weight.cast(weight, tp)
+        qw, sw = states.weight.cast(weight, tp, record=record)
         y = _mm(qx2, sx, qw.t(), sw, out_dtype, emulate)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -120,7 +120,7 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = _mm(qg.t(), sg, qx2, sx, torch.float32, ctx.emulate).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], states: Fp8States, tp: Group,
@@ -138,4 +138,6 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
     if not emulate:
         tokens = x.numel() // x.shape[-1] * (tp.size if sp_gather else 1)
         _check_device(x, tokens, weight.shape[1], weight.shape[0])
-    return _Fp8Linear.apply(x, weight, bias, states, tp, sp_gather, emulate, compute_dtype(x))
+    # a forward without autograd (validation, generation) leaves the delayed-scaling amaxes alone
+    record = torch.is_grad_enabled()
+    return _Fp8Linear.apply(x, weight, bias, states, tp, sp_gather, emulate, compute_dtype(x), record)

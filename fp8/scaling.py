@@ -124,8 +124,10 @@ class ScaleState:
 
     # -- the cast ---------------------------------------------------------------------------------
 
-    def cast(self, x: torch.Tensor, tp: Group) -> Tuple[torch.Tensor, torch.Tensor]:
+    def cast(self, x: torch.Tensor, tp: Group, record: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
         """``(q, scale)``: ``q = quantize(x, scale, self.dtype)`` and a copy of the scale used (0-dim fp32).
+        ``record=False`` (forward-only passes such as validation): delayed scaling does not fold this amax
+        into the next update, so evaluating never changes the training run's scales.
 
         Collective on ``tp`` under current scaling (every cast) and on the first, just-in-time,
         cast under delayed scaling (then over ``tp`` and the DP group): every member must cast too."""
@@ -145,7 +147,8 @@ class ScaleState:
                     self.initialized.fill_(True)
                 self._ready = True
                 # torch.maximum propagates NaN: a broken tensor is seen by the next update
-                torch.maximum(self.pending, a[0], out=self.pending)
+                if record:
+                    torch.maximum(self.pending, a[0], out=self.pending)
             scale = self.scale.clone()
             return quantize(x, scale, self.dtype), scale
 

@@ -413,3 +413,26 @@ def test_current_scaling_shares_one_scale_per_tp_group(scaling_world) -> None:
     # TP ranks 0 and 1 have different amaxes (1x and 3x) yet one scale; the other TP group differs
     assert scaling_world[0]["current"][0] == scaling_world[1]["current"][0]
     assert scaling_world[0]["current"][0] != scaling_world[2]["current"][0]
+
+
+def test_forward_without_autograd_leaves_delayed_amaxes_alone():
+    """Validation (no_grad) through an FP8 linear after the JIT init records nothing for the next update:
+    evaluating must not change the training run's scales."""
+    from fp8.linear import fp8_linear
+    from fp8.scaling import Fp8States
+    from parallel.comm import Group, Ledger
+    from training.config import Fp8Config
+
+    tp = Group(name="tp", pg=None, ranks=[0], rank=0, link="intra", ledger=Ledger())
+    states = Fp8States(Fp8Config())
+    for role in ("input", "weight", "grad"):
+        getattr(states, role).dp = tp
+    w = torch.randn(16, 16, requires_grad=True)
+    fp8_linear(torch.randn(4, 2, 16), w, None, states, tp, sp_gather=False, emulate=False).sum().backward()
+    before = {r: getattr(states, r).pending.clone() for r in ("input", "weight")}
+    with torch.no_grad():
+        fp8_linear(100 * torch.randn(4, 2, 16), 100 * w, None, states, tp, sp_gather=False, emulate=False)
+    for r, p in before.items():
+        assert torch.equal(getattr(states, r).pending, p), r
+    fp8_linear(100 * torch.randn(4, 2, 16), w, None, states, tp, sp_gather=False, emulate=False)
+    assert states.input.pending > 10 * before["input"], "a training forward does record"
