@@ -64,6 +64,24 @@ from training.optim import grad_factor, owns_gradient, weight_decay_exempt
 MASTER_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 
 
+class OwnerBalance:
+    """Owners of whole tensors across a stage's units: each unit's ``whole_tensor`` layout (largest tensor
+    first, to the least-loaded rank) starts its ties at the rank that owns the fewest elements so far, so
+    one-tensor units (embedding, head) land on different ranks. Deterministic from the shapes: every rank,
+    and the estimator (``training/memory.py``), computes the same owners."""
+
+    def __init__(self, world: int):
+        self.load = [0] * world
+
+    def layout(self, numels: Sequence[int]):
+        world = len(self.load)
+        first = min(range(world), key=lambda r: (self.load[r], r))
+        lay = shard_layout(numels, world, "whole_tensor", first=first)
+        for r in range(world):
+            self.load[r] += sum(b - a for _, a, b, _ in lay.owned(r))
+        return lay
+
+
 class Fp8Unit:
     """One unit's FP8-LM state on this rank (see the module docstring for what lives where).
 
@@ -71,16 +89,15 @@ class Fp8Unit:
     padded), ``where`` in this rank's packed state buffers (owned tensors back to back, no padding), and
     ``compact`` in the unit's working buffers (all tensors back to back)."""
 
-    def __init__(self, spec: UnitSpec, index: int, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int,
-                 master_dtype: torch.dtype, working: Working, hpz: int):
+    def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
+                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
         self.names = [names[p] for p in self.params]
         dp, device = mesh.dp, mesh.device
         numels = [p.numel() for p in self.params]
         # stage 0 reduces over a flat layout (the shared scale makes any split valid); stages 1-3 own whole
-        # tensors, the starting rank rotating with the unit so one-tensor units spread over the ranks
-        self.layout = (shard_layout(numels, dp.size, "flat") if stage == 0 else
-                       shard_layout(numels, dp.size, "whole_tensor", first=index % dp.size))
+        # tensors, spread over the ranks across units (OwnerBalance)
+        self.layout = shard_layout(numels, dp.size, "flat") if stage == 0 else owners.layout(numels)
         self.S, self.T, self.N, self.rank = self.layout.shard_size, len(self.params), dp.size, dp.rank
         self.bounds = [(off, off + n) for n, off in zip(numels, self.layout.offsets)]
         at = [0]
@@ -188,13 +205,12 @@ class Fp8DataParallel(ZeroDataParallel):
         self.chunk_units: List[List[Fp8Unit]] = []
         self.chunk_uses: List[List[ModuleUse]] = []
         self._where: Dict[nn.Parameter, Tuple[Fp8Unit, int]] = {}
-        index = 0
+        owners = OwnerBalance(mesh.dp.size)
         for chunk in chunks:
             specs, uses = chunk_units(chunk)
             units = []
             for spec in specs:
-                unit = Fp8Unit(spec, index, names, mesh, self.stage, master_dtype, self.working, z.hpz_size)
-                index += 1
+                unit = Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype, self.working, z.hpz_size)
                 for i, p in enumerate(unit.params):
                     self._where[p] = (unit, i)
                     p.register_post_accumulate_grad_hook(self._on_grad)

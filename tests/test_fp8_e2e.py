@@ -40,7 +40,10 @@ def worker(overrides, steps):
             records.append(engine.dp.fp8_record())
     comm = engine.mesh.ledger.snapshot()
     raw = {f"{kind}/{group}": n for (kind, _, group), n in engine.mesh.ledger.bytes.items()}
+    from training.memory import model_state_bytes
+
     return {"losses": losses, "fp8": records, "comm": comm, "raw": raw, "memory": engine.dp.memory(),
+            "estimated": model_state_bytes(cfg, engine.mesh.layout, engine.mesh.rank),
             "phi": sum(p.numel() for p in engine.params.values())}
 
 
@@ -61,6 +64,9 @@ def test_fp8_tracks_bf16_and_counts_its_bytes(name):
     assert out[0]["losses"][-1] < out[0]["losses"][0] - 0.1, "fp8 must learn"
     assert all(r["losses"] == out[0]["losses"] for r in out), "every rank reports the same global loss"
     assert_counted_equals_analytic(out, overrides + [FP8], world)
+    for r in out:  # the estimator knows where every FP8 state byte lives (whole-tensor owners included)
+        for k in ("parameters", "gradients", "optimizer", "fp8_weights"):
+            assert r["memory"][k] == r["estimated"][k], (k, r["memory"], r["estimated"])
 
 
 def test_fp8_gradient_reduction_is_half_of_bf16():

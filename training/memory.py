@@ -80,7 +80,7 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
 
 
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
-    """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, ``first`` rotating with the unit) hold master
+    """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by ``fp8.zero.OwnerBalance``) hold master
     (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a parameter, packed; ``fp8_weights``: stages
     1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the owned ones and hpZ's secondary slice; T fp32
     scales per buffer.
@@ -88,8 +88,10 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
     master = 2 if cfg.fp8.master_dtype == "fp16" else 4
+    from fp8.zero import OwnerBalance
+
     out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
-    peaks, index = [0], 0
+    peaks, owners = [0], OwnerBalance(n)
     for chunk in chunks:
         units, uses = chunk_units(chunk)
         full_p, full_g = [], []
@@ -99,9 +101,8 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             if z.stage == 0:
                 owned = total
             else:
-                lay = shard_layout(numels, n, "whole_tensor", first=index % n)
+                lay = owners.layout(numels)
                 owned = sum(numels[i] for i, _, _, _ in lay.owned(dp_rank))
-            index += 1
             w8 = total if z.stage in (1, 2) else owned if z.stage == 3 else 0
             out["parameters"] += master * owned + 4 * t
             out["fp8_weights"] += w8 + 4 * t
