@@ -91,7 +91,7 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     from fp8.zero import OwnerBalance
 
     out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
-    peaks, owners = [0], OwnerBalance(n)
+    peaks, weights_only, grads_all, owners = [0], [0], 0, OwnerBalance(n)
     for chunk in chunks:
         units, uses = chunk_units(chunk)
         full_p, full_g = [], []
@@ -113,7 +113,11 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             full_p.append(2 * total)
             full_g.append(4 * total)
         peaks.append(_working_peak([u.units for u in uses], full_p, full_g, z.prefetch))
-    out["working_peak"] = max(peaks)
+        weights_only.append(_working_peak([u.units for u in uses], full_p, [0] * len(full_g), z.prefetch))
+        grads_all += sum(full_g)
+    # one micro-batch: a unit's fp32 gradient lives from its backward to its reduction; with accumulation
+    # every unit's lives from the first backward to the last micro-batch's reduction
+    out["working_peak"] = max(peaks) if layout.num_microbatches == 1 else grads_all + max(weights_only)
     return out
 
 
