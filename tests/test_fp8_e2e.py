@@ -163,3 +163,13 @@ def test_fp8_refuses_gpus_without_fp8_by_capability(monkeypatch):
         monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
         check_fp8_device(cuda, Fp8Config())
     check_fp8_device(torch.device("cpu"), Fp8Config())
+
+
+def test_transformer_engine_backend_is_refused_plainly():
+    """fp8.backend=te is not implemented: the run stops at start-up naming the working backend, on CPU (TE
+    cannot be installed there) and on an FP8 GPU alike."""
+    from fp8.device import check_fp8_device
+    from training.config import ConfigError, Fp8Config
+
+    with pytest.raises(ConfigError, match=r"fp8\.backend=te.*fp8\.backend=torch"):
+        check_fp8_device(torch.device("cpu"), Fp8Config(backend="te"))
