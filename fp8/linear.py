@@ -32,7 +32,6 @@ from __future__ import annotations
 from typing import Optional
 
 import torch
-import torch.nn.functional as F
 
 from fp8.format import dequantize
 from fp8.scaling import Fp8States

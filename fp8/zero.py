@@ -57,7 +57,7 @@ from parallel.mesh import Mesh
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import shard_layout
 from parallel.zero.sharded import Working, ZeroDataParallel
-from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
+from parallel.zero.units import UnitSpec
 from training.config import Config
 from training.optim import grad_factor, owns_gradient, weight_decay_exempt
 
@@ -202,24 +202,9 @@ class Fp8DataParallel(ZeroDataParallel):
         self._cast_mu = self.autoscale.mu
         self._overflow = torch.zeros(2, dtype=torch.float64, device=mesh.device)  # overflowing, counted elements
         master_dtype = MASTER_DTYPES[f.master_dtype]
-        self.chunk_units: List[List[Fp8Unit]] = []
-        self.chunk_uses: List[List[ModuleUse]] = []
-        self._where: Dict[nn.Parameter, Tuple[Fp8Unit, int]] = {}
         owners = OwnerBalance(mesh.dp.size)
-        for chunk in chunks:
-            specs, uses = chunk_units(chunk)
-            units = []
-            for spec in specs:
-                unit = Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype, self.working, z.hpz_size)
-                for i, p in enumerate(unit.params):
-                    self._where[p] = (unit, i)
-                    p.register_post_accumulate_grad_hook(self._on_grad)
-                units.append(unit)
-            self.chunk_units.append(units)
-            self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
-        self.units = [u for units in self.chunk_units for u in units]
-        self._syncing = [False] * len(self.chunk_units)
-        self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
+        self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
+                                                       self.working, z.hpz_size))
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None

@@ -168,16 +168,27 @@ class ZeroDataParallel:
         self.sampling = False  # this step measures the quantization error (``quant_error``)
         self._qerr = torch.zeros(4, dtype=torch.float64, device=mesh.device)  # weights err, ref; gradients err, ref
         tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
-        self.chunk_units: List[List[Unit]] = []
-        self.chunk_uses: List[List[ModuleUse]] = []
-        self._where: Dict[nn.Parameter, Tuple[Unit, int]] = {}
+
+        def make_unit(spec: UnitSpec) -> Unit:
+            tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
+            return Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
+                        tied, z.hpz_size)
+
+        self._build_units(chunks, make_unit)
+        self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight
+        self._factor = 1.0
+        self.optimizer_steps = 0
+        if self.stage == 3:
+            self._register_gather_hooks(chunks)
+
+    def _build_units(self, chunks: Sequence[nn.Module], make_unit) -> None:
+        """Every chunk's units (``make_unit(spec)``), their module uses, and a gradient hook on each parameter."""
+        self.chunk_units, self.chunk_uses, self._where = [], [], {}
         for chunk in chunks:
             specs, uses = chunk_units(chunk)
             units = []
             for spec in specs:
-                tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
-                unit = Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
-                            tied, z.hpz_size)
+                unit = make_unit(spec)
                 for i, p in enumerate(unit.params):
                     self._where[p] = (unit, i)
                     p.register_post_accumulate_grad_hook(self._on_grad)
@@ -188,11 +199,6 @@ class ZeroDataParallel:
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
         self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
-        self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight
-        self._factor = 1.0
-        self.optimizer_steps = 0
-        if self.stage == 3:
-            self._register_gather_hooks(chunks)
 
     def _register_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
         """Gather a module's units before its forward (and backward), release them after (stage 3)."""
