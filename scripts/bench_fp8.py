@@ -3,10 +3,10 @@
     python scripts/bench_fp8.py                                   # gpt_350m and gpt_1.3b, bf16 and fp8
     python scripts/bench_fp8.py --presets gpt_350m --steps 40 --micro-batch 2
 
-Each row runs ``train.py <preset> precision=...`` on one device (the preset's model and optimiser, the
-bundled sample corpus, ``--accum`` micro-batches of ``--micro-batch`` sequences a step) and reads the
-trainer's own metrics records after ``--warmup`` steps: tokens/s, model TFLOP/s per device (6N + attention
-FLOPs a token, ``model/flops.py``) and MFU. MFU is printed against the bf16 dense peak for both precisions
+Each row runs ``train.py --config configs/<preset>.yaml precision=...`` on one device (the preset's
+model and optimiser, the bundled sample corpus, ``--accum`` micro-batches of ``--micro-batch``
+sequences a step) and reads the trainer's own metrics records after ``--warmup`` steps: tokens/s,
+model TFLOP/s per device (6N + attention FLOPs a token, ``model/flops.py``) and MFU. MFU is printed against the bf16 dense peak for both precisions
 (comparable: how much of the machine the same model uses), and the trainer's own figure for fp8 is against
 the FP8 dense peak. Needs a CUDA device with FP8 (compute capability >= 8.9) for the fp8 rows; on other
 devices they fail with the trainer's error, which the table shows.
@@ -26,7 +26,8 @@ BF16_PEAK = {"H100": 989.0, "H200": 989.0, "H100 PCIe": 756.0}
 
 def run(preset: str, precision: str, args, out: Path) -> dict:
     run_dir = out / f"{preset}-{precision}"
-    cmd = [sys.executable, str(ROOT / "train.py"), str(ROOT / "configs" / f"{preset}.yaml"), f"precision={precision}",
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / f"{preset}.yaml"),
+           f"precision={precision}",
            f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
            f"train.global_batch_size={args.micro_batch * args.accum}", "logging.interval=5",
            f"train.eval_interval={10 * args.steps}", "checkpoint.interval=0", "checkpoint.save_at_exit=false",

@@ -80,11 +80,11 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
 
 
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
-    """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by ``fp8.zero.OwnerBalance``) hold master
-    (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a parameter, packed; ``fp8_weights``: stages
-    1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the owned ones and hpZ's secondary slice; T fp32
-    scales per buffer.
-    Working: bf16 weights materialised per module (every stage) and fp32 gradient accumulation."""
+    """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by
+    ``fp8.zero.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
+    parameter, packed; ``fp8_weights``: stages 1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the
+    owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: bf16 weights materialised per
+    module (every stage) and fp32 gradient accumulation (the whole step's when micro-batches accumulate)."""
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
     master = 2 if cfg.fp8.master_dtype == "fp16" else 4
