@@ -1,0 +1,146 @@
+"""Plot the loss curves (and other metrics) of one or more runs from their ``metrics.jsonl``.
+
+    python scripts/plot_runs.py runs/a runs/b -o curves.png
+    python scripts/plot_runs.py runs/base runs/zeropp runs/fp8 --labels base ZeRO++ FP8 \\
+        --metrics loss val_loss lr grad_norm tokens_per_s -o curves.png
+
+One subplot per metric (default: loss and val_loss), x = step, one line per run,
+labelled by the run directory's name or ``--labels``; validation loss is drawn
+with markers. A metric is any numeric key of the records; a dotted name reaches
+into nested ones (``fp8.mu``, ``quant_error.weights``). Records without the
+metric are skipped; a step logged more than once (a resumed run) keeps its last
+value. A table of each run's last step, loss and val_loss is printed too.
+
+matplotlib is optional (``pip install matplotlib``); it is imported only here,
+with the non-interactive Agg backend. Bad input exits 2 with a one-line error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Dict, List, Optional
+
+Series = Dict[int, float]  # step -> value
+
+
+class InputError(Exception):
+    """Bad input: reported as one line and exit code 2."""
+
+
+def lookup(record: dict, metric: str) -> Optional[float]:
+    """The numeric value of ``metric`` (dotted for nested dicts) in ``record``, or None."""
+    value = record
+    for key in metric.split("."):
+        if not isinstance(value, dict) or key not in value:
+            return None
+        value = value[key]
+    if isinstance(value, bool) or not isinstance(value, (int, float)):
+        return None
+    return float(value)
+
+
+def load_run(run_dir: Path, metrics: List[str]) -> Dict[str, Series]:
+    """Read ``run_dir/metrics.jsonl`` into one step-sorted series per metric, plus ``"step"`` (all steps)."""
+    path = run_dir / "metrics.jsonl"
+    if not path.is_file():
+        raise InputError(f"{path}: no such file (is {run_dir} a run directory?)")
+    series: Dict[str, Series] = {m: {} for m in ["step"] + metrics}
+    n_records = 0
+    with open(path) as f:
+        for lineno, line in enumerate(f, 1):
+            if not line.strip():
+                continue
+            try:
+                record = json.loads(line)
+            except ValueError as e:
+                raise InputError(f"{path}:{lineno}: malformed JSON line ({e})") from None
+            if not isinstance(record, dict):
+                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
+            n_records += 1
+            step = record.get("step")
+            if isinstance(step, bool) or not isinstance(step, int):
+                continue
+            series["step"][step] = float(step)
+            for m in metrics:
+                value = lookup(record, m)
+                if value is not None:
+                    series[m][step] = value  # a later record of the same step replaces an earlier one
+    if n_records == 0:
+        raise InputError(f"{path}: empty file, no records")
+    return {m: dict(sorted(s.items())) for m, s in series.items()}
+
+
+def last(series: Series) -> Optional[float]:
+    return series[max(series)] if series else None
+
+
+def fmt(value: Optional[float], spec: str) -> str:
+    return "-" if value is None else format(value, spec)
+
+
+def table(labels: List[str], runs: List[Dict[str, Series]]) -> str:
+    """Per run: last step, last loss, last val_loss."""
+    width = max(len("run"), *(len(label) for label in labels))
+    rows = [f"{'run':<{width}}  {'last step':>9}  {'loss':>9}  {'val_loss':>9}"]
+    for label, run in zip(labels, runs):
+        step, loss, val = last(run["step"]), last(run["loss"]), last(run["val_loss"])
+        rows.append(f"{label:<{width}}  {fmt(step, '9.0f')}  {fmt(loss, '9.4f')}  {fmt(val, '9.4f')}")
+    return "\n".join(rows)
+
+
+def plot(labels: List[str], runs: List[Dict[str, Series]], metrics: List[str], output: Path) -> None:
+    try:
+        import matplotlib
+        matplotlib.use("Agg")
+        import matplotlib.pyplot as plt
+    except ImportError:
+        raise InputError("matplotlib is not installed; run `pip install matplotlib` to plot runs") from None
+    fig, axes = plt.subplots(len(metrics), 1, sharex=True, squeeze=False, figsize=(8, 1 + 2.5 * len(metrics)))
+    for ax, metric in zip(axes[:, 0], metrics):
+        for i, (label, run) in enumerate(zip(labels, runs)):
+            s = run[metric]
+            if s:
+                ax.plot(list(s), list(s.values()), color=f"C{i}", label=label,
+                        marker="o" if metric == "val_loss" else None, markersize=4)
+        ax.set_ylabel(metric)
+        ax.grid(True, alpha=0.3)
+        ax.legend(fontsize="small")
+    axes[-1, 0].set_xlabel("step")
+    fig.tight_layout()
+    output.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(output, dpi=100)
+    plt.close(fig)
+
+
+def main(argv=None) -> int:
+    ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    ap.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories holding metrics.jsonl")
+    ap.add_argument("-o", "--output", type=Path, default=Path("curves.png"), help="PNG to write (curves.png)")
+    ap.add_argument("--metrics", nargs="+", default=["loss", "val_loss"],
+                    help="one subplot each, e.g. loss val_loss lr grad_norm tokens_per_s (loss val_loss)")
+    ap.add_argument("--labels", nargs="+", help="one legend label per run (default: the run directories' names)")
+    args = ap.parse_args(argv)
+    if args.labels is not None and len(args.labels) != len(args.runs):
+        ap.error(f"--labels has {len(args.labels)} names for {len(args.runs)} runs")
+    labels = args.labels or [run.resolve().name for run in args.runs]
+    metrics = list(dict.fromkeys(args.metrics))  # drop repeats, keep order
+    try:
+        wanted = list(dict.fromkeys(metrics + ["loss", "val_loss"]))  # the table shows loss and val_loss
+        runs = [load_run(run, wanted) for run in args.runs]
+        for m in metrics:
+            if not any(run[m] for run in runs):
+                paths = ", ".join(str(run / "metrics.jsonl") for run in args.runs)
+                raise InputError(f"metric {m!r} is in no run ({paths})")
+        plot(labels, runs, metrics, args.output)
+    except InputError as e:
+        print(f"plot_runs.py: error: {e}", file=sys.stderr)
+        return 2
+    print(table(labels, runs))
+    print(f"wrote {args.output}")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
