@@ -18,6 +18,34 @@ Version 1 files (no ``max_token_id``) are still read; their largest id is then f
 by scanning the ``.bin`` once, when a vocabulary check asks for it (slow for big
 files: re-run preprocessing to upgrade them).
 
+Megatron-LM pairs
+-----------------
+Pairs written by Megatron-LM's ``tools/preprocess_data.py`` (megatron-core's
+``IndexedDatasetBuilder``) are read as they are; the format is told apart by the
+magic at the start of the ``.idx``.  Their index (all little-endian)::
+
+    magic           9 bytes   b"MMIDIDX\x00\x00"
+    version         uint64    1
+    dtype code      uint8     1 uint8, 2 int8, 3 int16, 4 int32, 5 int64,
+                              6 float64, 7 float32, 8 uint16
+    num_sequences   uint64
+    num_doc_idx     uint64    number of document indices (documents + 1)
+    lengths         int32[num_sequences]   sequence lengths in tokens
+    pointers        int64[num_sequences]   BYTE offset of each sequence in .bin
+    document_idx    int64[num_doc_idx]     0, then the end sequence of each document
+
+Megatron's own GPT dataset samples *sequences*; here a document is a Megatron
+*document*: its sequences ``document_idx[d] .. document_idx[d + 1] - 1`` read back
+to back (they are contiguous in ``.bin``).  With the default preprocessing (no
+sentence splitting) every document holds one sequence and the two agree; with
+``--split-sentences`` the sentences of a document stay together, and the EOD
+Megatron appends after the last one ends it.  Dtype code 7 meant float64
+(``np.double``) in the older Megatron-LM ``indexed_dataset.py``; such a file is
+recognised by its 8-byte pointers.  The index stores no largest id: it is found
+by scanning the ``.bin`` once when a vocabulary check asks for it, which also
+refuses negative or non-integer ids.  Multimodal indices (a trailing
+``sequence_modes`` array) are refused.
+
 :class:`IndexedDatasetWriter` builds a pair and only moves it under its final
 names once complete; :class:`IndexedDataset` opens a pair with ``np.memmap``
 and refuses any pair that is not self-consistent.
@@ -43,6 +71,20 @@ _HEADERS = {1: _HEADER_V1, 2: _HEADER}
 _DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
 _SIZE_DTYPE = np.dtype("<i4")
 _OFFSET_DTYPE = np.dtype("<i8")
+
+MEGATRON_MAGIC = b"MMIDIDX\x00\x00"
+MEGATRON_VERSION = 1
+_MEGATRON_HEADER = struct.Struct("<9sQBQQ")  # magic, version, dtype code, sequences, document indices
+_MEGATRON_DTYPES: dict[int, np.dtype] = {
+    1: np.dtype("u1"),
+    2: np.dtype("i1"),
+    3: np.dtype("<i2"),
+    4: np.dtype("<i4"),
+    5: np.dtype("<i8"),
+    6: np.dtype("<f8"),
+    7: np.dtype("<f4"),  # megatron-core; the older Megatron-LM wrote np.double (see _open_megatron)
+    8: np.dtype("<u2"),
+}
 
 
 class DataError(ValueError):
@@ -149,8 +191,12 @@ class IndexedDatasetWriter:
 class IndexedDataset:
     """Read-only, memory-mapped view of a ``<prefix>.bin`` / ``<prefix>.idx`` pair.
 
-    Every structural property of the pair is checked on open; any problem
-    raises :class:`DataError` naming the offending file.
+    Reads this project's ``GPTIDX`` pairs and Megatron-LM's ``MMIDIDX`` pairs
+    (see the module docstring) behind one interface: ``sizes`` and ``offsets``
+    (in tokens) per document, ``dtype``, ``total_tokens``, ``tokens``.
+    ``format`` says which (``"gptidx"`` or ``"megatron"``).  Every structural
+    property of the pair is checked on open; any problem raises
+    :class:`DataError` naming the offending file.
     """
 
     def __init__(self, prefix: str) -> None:
@@ -161,21 +207,50 @@ class IndexedDataset:
                 raise DataError(f"{path}: file not found")
 
         idx_bytes = os.path.getsize(idx_path)
-        if idx_bytes < _HEADER_V1.size:
+        idx = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_bytes else np.empty(0, np.uint8)
+        start = idx[: len(MEGATRON_MAGIC)].tobytes()
+        self._max_token_id: int | None = None  # None: scanned from .bin when asked
+        if start == MEGATRON_MAGIC:
+            self.format = "megatron"
+            self._open_megatron(idx, idx_path, bin_path)
+        else:
+            maybe_magic = MAGIC.startswith(start[:8]) or MEGATRON_MAGIC.startswith(start)
+            if idx_bytes < _HEADER_V1.size and maybe_magic:
+                raise DataError(
+                    f"{idx_path}: truncated header ({idx_bytes} bytes, need {_HEADER_V1.size})"
+                )
+            self.format = "gptidx"
+            self._open_gptidx(idx, idx_path)
+
+        bin_bytes = os.path.getsize(bin_path)
+        total_tokens = self.total_tokens
+        if bin_bytes != total_tokens * self.dtype.itemsize:
             raise DataError(
-                f"{idx_path}: truncated header ({idx_bytes} bytes, need {_HEADER_V1.size})"
+                f"{bin_path}: {bin_bytes} bytes, expected {total_tokens} tokens x "
+                f"{self.dtype.itemsize} bytes = {total_tokens * self.dtype.itemsize} "
+                f"(per {idx_path}); truncated file or mismatched pair"
             )
-        idx = np.memmap(idx_path, dtype=np.uint8, mode="r")
-        magic, version = struct.unpack("<8sQ", idx[:16].tobytes())
+        self.tokens: np.ndarray = (
+            np.memmap(bin_path, dtype=self.dtype, mode="r")
+            if total_tokens
+            else np.empty(0, dtype=self.dtype)
+        )
+
+    def _open_gptidx(self, idx: np.ndarray, idx_path: str) -> None:
+        """Parse and check this project's ``GPTIDX`` index."""
+        idx_bytes = len(idx)
+        magic, version = struct.unpack("<8sQ", idx[:16].tobytes().ljust(16, b"\x00"))
         if magic != MAGIC:
-            raise DataError(f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r}")
+            raise DataError(
+                f"{idx_path}: bad magic {magic!r}, expected {MAGIC!r} (or Megatron-LM's {MEGATRON_MAGIC!r})"
+            )
         if version not in _HEADERS:
             raise DataError(f"{idx_path}: unsupported version {version} (supported: {sorted(_HEADERS)})")
         header = _HEADERS[version]
         if idx_bytes < header.size:
             raise DataError(f"{idx_path}: truncated header ({idx_bytes} bytes, need {header.size})")
         _, _, code, num_docs, total_tokens, *rest = header.unpack(idx[: header.size].tobytes())
-        self._max_token_id: int | None = rest[0] if rest else None  # version 1: scanned when asked
+        self._max_token_id = rest[0] if rest else None  # version 1: scanned when asked
         if code not in _DTYPES:
             raise DataError(f"{idx_path}: unknown dtype code {code} (known: {sorted(_DTYPES)})")
         expected = header.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
@@ -191,18 +266,87 @@ class IndexedDataset:
         self.total_tokens: int = total_tokens
         self._check_index(idx_path)
 
-        bin_bytes = os.path.getsize(bin_path)
-        if bin_bytes != total_tokens * self.dtype.itemsize:
+    def _open_megatron(self, idx: np.ndarray, idx_path: str, bin_path: str) -> None:
+        """Parse and check a Megatron-LM ``MMIDIDX`` index; documents group their sequences."""
+        idx_bytes = len(idx)
+        head = _MEGATRON_HEADER
+        if idx_bytes < head.size:
             raise DataError(
-                f"{bin_path}: {bin_bytes} bytes, expected {total_tokens} tokens x "
-                f"{self.dtype.itemsize} bytes = {total_tokens * self.dtype.itemsize} "
-                f"(per {idx_path}); truncated file or mismatched pair"
+                f"{idx_path}: truncated Megatron-LM header ({idx_bytes} bytes, need {head.size})"
             )
-        self.tokens: np.ndarray = (
-            np.memmap(bin_path, dtype=self.dtype, mode="r")
-            if total_tokens
-            else np.empty(0, dtype=self.dtype)
-        )
+        _, version, code, num_seqs, num_doc_idx = head.unpack(idx[: head.size].tobytes())
+        if version != MEGATRON_VERSION:
+            raise DataError(
+                f"{idx_path}: unsupported version {version} of Megatron-LM's MMIDIDX index "
+                f"(supported: [{MEGATRON_VERSION}])"
+            )
+        if code not in _MEGATRON_DTYPES:
+            raise DataError(
+                f"{idx_path}: unknown dtype code {code} in Megatron-LM index "
+                f"(known: {sorted(_MEGATRON_DTYPES)})"
+            )
+        expected = head.size + num_seqs * (4 + 8) + num_doc_idx * 8
+        if idx_bytes != expected:
+            multimodal = " (a multimodal index with sequence modes, not supported)" if (
+                idx_bytes == expected + num_seqs and num_seqs
+            ) else "; truncated or corrupted file"
+            raise DataError(
+                f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_seqs} sequences and "
+                f"{num_doc_idx} document indices{multimodal}"
+            )
+        lengths_end = head.size + 4 * num_seqs
+        pointers_end = lengths_end + 8 * num_seqs
+        self.sequence_lengths: np.ndarray = idx[head.size : lengths_end].view("<i4")
+        self.sequence_pointers: np.ndarray = idx[lengths_end:pointers_end].view("<i8")
+        self.document_indices: np.ndarray = idx[pointers_end:].view("<i8")
+
+        lengths = self.sequence_lengths.astype(np.int64)
+        if lengths.size and lengths.min() < 0:
+            bad = int(np.argmax(lengths < 0))
+            raise DataError(f"{idx_path}: negative length {int(lengths[bad])} of sequence {bad}")
+        doc_idx = self.document_indices
+        if num_doc_idx == 0 or doc_idx[0] != 0:
+            first = "none" if num_doc_idx == 0 else int(doc_idx[0])
+            raise DataError(f"{idx_path}: document indices must start with 0, got {first}")
+        steps = np.diff(doc_idx)
+        if steps.size and steps.min() < 0:
+            bad = int(np.argmax(steps < 0))
+            raise DataError(
+                f"{idx_path}: document indices decrease at document {bad} "
+                f"({int(doc_idx[bad])} -> {int(doc_idx[bad + 1])})"
+            )
+        if doc_idx[-1] != num_seqs:
+            raise DataError(
+                f"{idx_path}: last document index is {int(doc_idx[-1])}, expected the sequence count "
+                f"{num_seqs} (every sequence must belong to a document)"
+            )
+
+        starts = np.cumsum(lengths) - lengths  # token offset of each sequence
+        self.total_tokens = int(lengths.sum())
+        bin_bytes = os.path.getsize(bin_path)
+        candidates = [_MEGATRON_DTYPES[code]]
+        if code == 7:  # np.double in the older Megatron-LM
+            candidates.append(np.dtype("<f8"))
+        matching = [d for d in candidates if np.array_equal(self.sequence_pointers, starts * d.itemsize)]
+        if not matching:
+            dtype = candidates[0]
+            expect = starts * dtype.itemsize
+            bad = int(np.argmax(self.sequence_pointers != expect))
+            raise DataError(
+                f"{idx_path}: pointer of sequence {bad} is {int(self.sequence_pointers[bad])} bytes, "
+                f"expected {int(expect[bad])} (= {int(starts[bad])} tokens before it x "
+                f"{dtype.itemsize} bytes of {dtype.name})"
+            )
+        fits_bin = [d for d in matching if bin_bytes == self.total_tokens * d.itemsize]
+        dtype = (fits_bin or matching)[0]  # a wrong .bin size is reported by the caller
+        self.dtype = dtype
+
+        if num_doc_idx - 1 == num_seqs:  # one sequence per document: the usual case, no copies
+            self.sizes = self.sequence_lengths
+            self.offsets = starts
+        else:
+            self.offsets = np.append(starts, self.total_tokens)[doc_idx[:-1]]
+            self.sizes = np.diff(np.append(starts, self.total_tokens)[doc_idx])
 
     def _check_index(self, idx_path: str) -> None:
         """Check that sizes are non-negative, sum to total_tokens and match offsets."""
@@ -222,15 +366,34 @@ class IndexedDataset:
                 f"expected {int(starts[bad])} from the sizes"
             )
 
+    def _scan_ids(self) -> None:
+        """Find the largest id by reading the ``.bin`` once (Megatron pairs: also refuse bad ids)."""
+        chunk = 1 << 24
+        largest = -1
+        floating = self.dtype.kind == "f"
+        for i in range(0, len(self.tokens), chunk):
+            block = self.tokens[i : i + chunk]
+            if self.format == "megatron":
+                if floating and not np.all(np.isfinite(block) & (block == np.floor(block))):
+                    bad = i + int(np.argmax(~(np.isfinite(block) & (block == np.floor(block)))))
+                    raise DataError(
+                        f"{self.prefix}.bin: token {bad} is {block[bad - i].item()}, not a whole-number id"
+                    )
+                if self.dtype.kind in "if" and block.min() < 0:
+                    bad = i + int(np.argmax(block < 0))
+                    raise DataError(f"{self.prefix}.bin: token {bad} has negative id {block[bad - i].item()}")
+            largest = max(largest, int(block.max()))
+        self._max_token_id = largest
+
     @property
     def max_token_id(self) -> int:
-        """Largest token id in the ``.bin`` (-1 if empty): from the index, or scanned once for version 1."""
+        """Largest token id in the ``.bin`` (-1 if empty).
+
+        From the index, or scanned once for version 1 and Megatron-LM pairs.
+        """
         if self._max_token_id is None:
-            chunk = 1 << 24
-            self._max_token_id = max(
-                (int(self.tokens[i : i + chunk].max()) for i in range(0, len(self.tokens), chunk)),
-                default=-1,
-            )
+            self._scan_ids()
+        assert self._max_token_id is not None
         return self._max_token_id
 
     def check_vocab(self, vocab_size: int) -> None:
