@@ -319,7 +319,7 @@ def test_steps_rerun_after_a_resume_are_logged_once(tmp_path):
 
 # -- a collective timeout names the operation and the rank that did not arrive ---------------------------
 def stuck_rank_worker(stuck: int, op: str):
-    import time
+    from datetime import timedelta
 
     import torch
     import torch.distributed as dist
@@ -331,8 +331,13 @@ def stuck_rank_worker(stuck: int, op: str):
     group = comm.Group(name="dp", pg=dist.group.WORLD, ranks=list(range(world)), rank=rank, link="intra",
                        ledger=comm.Ledger())
     comm.all_reduce(torch.ones(2), group)  # one collective that everybody reaches
-    if rank == stuck:
-        time.sleep(8)  # busy elsewhere past the timeout
+    # No rank may leave before every waiting rank has its own error: a process that exits closes its gloo
+    # connections, and a rank still inside the collective would then fail with "connection closed by peer"
+    # instead of timing out (a race under load). The ranks meet on the launcher's store, not on gloo.
+    store = dist.distributed_c10d._get_default_store()
+    waiting = [r for r in range(world) if r != stuck]
+    if rank == stuck:  # busy elsewhere until the others have timed out
+        store.wait([f"stuck_test/done/{r}" for r in waiting], timedelta(seconds=90))
         return None
     try:
         if op == "all_reduce":
@@ -341,9 +346,12 @@ def stuck_rank_worker(stuck: int, op: str):
             comm.all_reduce(torch.ones(2), group, async_op=True).wait()
         else:
             comm.irecv(torch.ones(2), stuck, group).wait()
+        out = "no error"
     except comm.CommError as e:
-        return str(e)
-    return "no error"
+        out = str(e)
+    store.set(f"stuck_test/done/{rank}", "1")
+    store.wait([f"stuck_test/done/{r}" for r in waiting], timedelta(seconds=90))
+    return out
 
 
 @pytest.mark.parametrize("op", ["all_reduce", "all_reduce_async", "p2p"])
