@@ -434,9 +434,7 @@ class Fp8DataParallel(ZeroDataParallel):
             self._staging.append(stage)
             for i, (name, p) in enumerate(zip(u.names, u.params)):
                 spec, local = p.spec, tuple(p.shape)
-                offset = [0] * len(local)
-                if spec.tp_dim is not None:
-                    offset[spec.tp_dim] = self.mesh.tp_rank * local[spec.tp_dim]
+                offset = spec.tp_offset(local, self.mesh.tp_rank)
                 pieces = {k: [(0, p.numel(), buf[u.where[i][0]:u.where[i][1]])] if i in u.where else []
                           for k, buf in stage.items()}
                 out[name] = {k: shard_view(spec.global_shape, local, offset, pieces[k], buf)

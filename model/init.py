@@ -27,6 +27,6 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) ->
         else:
             g = torch.Generator().manual_seed(derive_seed(seed, "init", spec.shared_with or name))
             full = torch.empty(spec.global_shape).normal_(0.0, spec.std, generator=g)
-        if spec.tp_dim is not None:
-            full = full.chunk(tp_size, dim=spec.tp_dim)[tp_rank]
+        if spec.tp_dim is not None:  # this rank's piece (several TP ranks may hold the same one)
+            full = full.chunk(spec.tp_pieces(tp_size), dim=spec.tp_dim)[spec.tp_piece(tp_rank)]
         p.copy_(full)

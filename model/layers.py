@@ -17,7 +17,8 @@ from torch.utils.checkpoint import checkpoint
 
 from parallel.comm import Group
 from parallel.random import RNGTracker
-from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear, new_param, scaled_init_std
+from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, RowParallelLinear, new_param,
+                                      scaled_init_std)
 from training.config import Fp8Config, ModelConfig
 
 
@@ -30,6 +31,9 @@ class TPContext:
     rng: RNGTracker
     fp8: Optional[Fp8Config] = None
     """FP8 GEMMs in the transformer blocks' linear layers (None: the compute dtype, bf16)."""
+    kv_group: Optional[Group] = None
+    """Grouped-query attention with fewer KV heads than TP ranks: the consecutive TP ranks holding this
+    rank's KV head (``Mesh.tp_kv_group``); None when KV heads are split over TP."""
 
 
 class Norm(nn.Module):
@@ -78,18 +82,32 @@ class Rotary(nn.Module):
 
 
 class Attention(nn.Module):
-    """Causal self-attention; heads are split over TP (QKV column-parallel, output row-parallel)."""
+    """Causal self-attention; heads are split over TP (QKV column-parallel, output row-parallel).
+
+    Multi-head (``n_kv_heads == n_heads``): one fused weight ``qkv`` ``[3, d, d]``. Grouped-query
+    (``n_kv_heads < n_heads``, each KV head shared by ``n_heads / n_kv_heads`` consecutive query heads):
+    ``q`` ``[n_heads * hd, d]`` and ``kv`` ``[2, n_kv_heads * hd, d]``, computed by one GEMM
+    (``GroupedQKVLinear``); KV heads split over TP, or replicated when there are fewer than TP ranks.
+    """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext):
         super().__init__()
         self.ctx = ctx
         self.heads = cfg.n_heads // ctx.tp.size
+        replicas = ctx.kv_group.size if ctx.kv_group is not None else 1
+        self.kv_heads = cfg.kv_heads * replicas // ctx.tp.size
         self.head_dim = cfg.head_dim
         self.dropout = cfg.attention_dropout
         self.selective_checkpoint = cfg.activation_checkpointing == "selective"
         sp, std = ctx.sequence_parallel, cfg.init_std
-        self.qkv = ColumnParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
-                                        std=std, fused=3, fp8=ctx.fp8)
+        if cfg.kv_heads == cfg.n_heads:
+            self.qkv = ColumnParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+                                            std=std, fused=3, fp8=ctx.fp8)
+        else:
+            qkv = GroupedQKVLinear(cfg.d_model, cfg.d_model, cfg.kv_heads * cfg.head_dim, ctx.tp, ctx.kv_group,
+                                   sequence_parallel=sp, bias=cfg.bias, std=std, fp8=ctx.fp8)
+            self.q, self.kv = qkv.parts
+            self.qkv = qkv
         self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
                                       std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
         self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
@@ -97,15 +115,21 @@ class Attention(nn.Module):
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank
         q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
+        gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads
         with self.ctx.rng.fork():
             o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0)
+                                               dropout_p=self.dropout if self.training else 0.0, **gqa)
         return o.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
-        q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).unbind(2)
+        if self.kv_heads == self.heads:
+            q, k, v = qkv.view(s, b, 3, self.heads, self.head_dim).unbind(2)
+        else:  # [q of this rank's heads | k | v of their KV heads]
+            q, kv = qkv.split([self.heads * self.head_dim, 2 * self.kv_heads * self.head_dim], dim=-1)
+            q = q.view(s, b, self.heads, self.head_dim)
+            k, v = kv.view(s, b, 2, self.kv_heads, self.head_dim).unbind(2)
         if self.selective_checkpoint and torch.is_grad_enabled():
             o = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
         else:

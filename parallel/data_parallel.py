@@ -29,6 +29,7 @@ from parallel import comm
 from parallel.comm import Group
 from model.gpt import EMBEDDING
 from parallel.mesh import Mesh
+from parallel.zero.dcp_view import shard_view
 from training.optim import build_optimizer, unscale_and_clip
 
 
@@ -146,11 +147,17 @@ class DataParallel:
         mesh = self.mesh.stage_mesh()
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         for name, p in self.params.items():
-            place = [Replicate(), Shard(p.spec.tp_dim) if p.spec.tp_dim is not None else Replicate()]
+            spec = p.spec
             tensors = {"model": p.data}
             if with_optimizer:
                 st = self._adam_state(p)
                 tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
+            if spec.tp_replicas > 1:  # a piece held by several TP ranks: no DTensor placement says that
+                offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+                out[name] = {k: shard_view(spec.global_shape, tuple(p.shape), offset, [(0, t.numel(), t.view(-1))], t)
+                             for k, t in tensors.items()}
+                continue
+            place = [Replicate(), Shard(spec.tp_dim) if spec.tp_dim is not None else Replicate()]
             out[name] = {k: DTensor.from_local(t, mesh, place, run_check=False) for k, t in tensors.items()}
         return out
 

@@ -91,6 +91,11 @@ class Layout:
                 f" dp_inter={self.dp_inter_size}, microbatches={self.num_microbatches})")
 
 
+def kv_replicas(kv_heads: int, tp: int) -> int:
+    """TP ranks holding each KV head: 1 when the KV heads split over TP, else tp / n_kv_heads."""
+    return tp // kv_heads if kv_heads < tp else 1
+
+
 def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> Layout:
     """Validate cfg.parallel against the model, the batch and the launch; return the layout."""
     par, m, t = cfg.parallel, cfg.model, cfg.train
@@ -106,6 +111,10 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
          f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp} = {tp * pp}")
     dp = max(world_size // (tp * pp), 1)
     need(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
+    kv = m.kv_heads
+    need(kv < 1 or kv % tp == 0 or tp % kv == 0,
+         f"model.n_kv_heads={kv} cannot be laid out over parallel.tp={tp}: KV heads are split over TP when "
+         f"n_kv_heads is a multiple of tp, and replicated when tp is a multiple of n_kv_heads")
     need(m.vocab_size % tp == 0, f"model.vocab_size={m.vocab_size} is not divisible by parallel.tp={tp}")
     need(m.ffn_size % tp == 0, f"MLP hidden size {m.ffn_size} (model.ffn_hidden) is not divisible by parallel.tp={tp}")
     need(vp == 1 or pp > 1, f"parallel.virtual_stages={vp} needs parallel.pp > 1 (got pp={pp})")

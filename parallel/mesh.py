@@ -11,6 +11,8 @@ Groups (each a ``comm.Group`` sharing one byte ledger):
   embedding  first + last pipeline stage (tied embeddings)
   mp         the model-parallel replica (all of pp x tp at this dp index)
   dp_hpz     ZeRO++ hpZ: consecutive dp_intra peers (``hpz_group(size)``, built on request)
+  tp_kv      grouped-query attention with fewer KV heads than TP ranks: the consecutive TP peers that
+             hold the same KV heads (``tp_kv_group(size)``, built on request)
 
 The tp/pp/dp groups come from torch's DeviceMesh, which also serves DTensor-based
 checkpointing; the others are created with ``new_group`` in a fixed order on
@@ -49,6 +51,7 @@ class Mesh:
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
         self._hpz: Dict[int, Group] = {}
+        self._tp_kv: Dict[int, Group] = {}
 
     # -- construction -------------------------------------------------------------------------
     def _group(self, name: str, ranks: List[int], pg) -> Group:
@@ -69,6 +72,15 @@ class Mesh:
                 pg = created
         return self._group(name, mine, pg)
 
+    def _consecutive_groups(self, name: str, family: Callable[[int], List[int]], size: int) -> Group:
+        """Cut each group of ``family`` into runs of ``size`` consecutive members; this rank's run."""
+        def members(rank: int) -> List[int]:
+            ranks = family(rank)
+            at = ranks.index(rank) // size * size
+            return ranks[at:at + size]
+
+        return self._new_groups(name, members)
+
     def hpz_group(self, size: int) -> Group:
         """ZeRO++ hpZ's secondary-partition group: ``size`` consecutive DP peers of this rank's node.
 
@@ -76,14 +88,18 @@ class Mesh:
         if size not in self._hpz:
             if self.dp_intra.size % size:
                 raise ValueError(f"hpZ group size {size} does not divide the {self.dp_intra.size} DP ranks per node")
-
-            def members(rank: int) -> List[int]:
-                intra = self.layout.dp_intra_ranks(rank)
-                at = intra.index(rank) // size * size
-                return intra[at:at + size]
-
-            self._hpz[size] = self._new_groups("dp_hpz", members)
+            self._hpz[size] = self._consecutive_groups("dp_hpz", self.layout.dp_intra_ranks, size)
         return self._hpz[size]
+
+    def tp_kv_group(self, size: int) -> Group:
+        """The ``size`` consecutive TP peers of this rank that hold the same (replicated) KV heads.
+
+        Collective (every rank must call it, with the same size); built once per size."""
+        if size not in self._tp_kv:
+            if self.tp.size % size:
+                raise ValueError(f"KV replica group size {size} does not divide the TP size {self.tp.size}")
+            self._tp_kv[size] = self._consecutive_groups("tp_kv", self.layout.tp_ranks, size)
+        return self._tp_kv[size]
 
     # -- queries ------------------------------------------------------------------------------
     @property
@@ -104,7 +120,8 @@ class Mesh:
 
     def groups(self) -> Dict[str, Group]:
         return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter,
-                                    self.embedding, self.mp, *self._hpz.values())}
+                                    self.embedding, self.mp, *self._hpz.values(),
+                                    *self._tp_kv.values())}
 
     def __repr__(self) -> str:
         return (f"Mesh(rank={self.rank}, pp={self.pp_rank}/{self.layout.pp}, dp={self.dp_rank}/{self.layout.dp}, "

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional, Tuple
+from typing import List, Optional, Tuple
 
 import torch
 import torch.nn.functional as F
@@ -48,6 +48,30 @@ class ParamSpec:
     """Global name of the parameter this one is a copy of (the tied output weight on the last pipeline
     stage is a copy of ``embedding.weight``): initialised, checkpointed and counted as that one, its
     gradient summed with it over the embedding group."""
+    tp_replicas: int = 1
+    """Consecutive TP ranks holding the same piece: the tensor is split along ``tp_dim`` into
+    ``tp / tp_replicas`` pieces and TP rank r holds piece ``r // tp_replicas`` (grouped-query attention's
+    K/V weights when there are fewer KV heads than TP ranks). Each holder's gradient is already the full
+    gradient of its piece (the layer sums it over the holders in backward)."""
+
+    def tp_pieces(self, tp_size: int) -> int:
+        """How many distinct pieces the TP group holds (1: replicated)."""
+        return 1 if self.tp_dim is None else tp_size // self.tp_replicas
+
+    def tp_piece(self, tp_rank: int) -> int:
+        """Which piece TP rank ``tp_rank`` holds."""
+        return 0 if self.tp_dim is None else tp_rank // self.tp_replicas
+
+    def tp_offset(self, local_shape: Tuple[int, ...], tp_rank: int) -> List[int]:
+        """Where this rank's local tensor starts in the global one."""
+        offset = [0] * len(local_shape)
+        if self.tp_dim is not None:
+            offset[self.tp_dim] = self.tp_piece(tp_rank) * local_shape[self.tp_dim]
+        return offset
+
+    def owns_once(self, tp_rank: int) -> bool:
+        """Whether this TP rank is the one that counts this piece (norms): the first of its holders."""
+        return (tp_rank if self.tp_dim is None else tp_rank % self.tp_replicas) == 0
 
 
 def set_spec(p: nn.Parameter, spec: ParamSpec) -> nn.Parameter:
@@ -58,7 +82,7 @@ def set_spec(p: nn.Parameter, spec: ParamSpec) -> nn.Parameter:
 def new_param(global_shape: Tuple[int, ...], tp_dim: Optional[int], tp_size: int, **spec) -> nn.Parameter:
     shape = list(global_shape)
     if tp_dim is not None:
-        shape[tp_dim] //= tp_size
+        shape[tp_dim] //= tp_size // spec.get("tp_replicas", 1)
     return set_spec(nn.Parameter(torch.empty(shape)), ParamSpec(tuple(global_shape), tp_dim, **spec))
 
 
@@ -183,16 +207,80 @@ class ColumnParallelLinear(nn.Module):
         self.fp8 = fp8
         self.fp8_states = _fp8_states(fp8, "ColumnParallelLinear")
 
+    def weight_and_bias(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        """This rank's weight as one ``[out, in]`` matrix (fused matrices stacked) and its bias."""
+        return self.weight.flatten(0, -2), (self.bias.flatten() if self.bias is not None else None)
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
-        bias = self.bias.flatten() if self.bias is not None else None
+        weight, bias = self.weight_and_bias()
         if self.fp8_states is not None:
-            weight, emulate = self.weight.flatten(0, -2), self.fp8.emulate
+            emulate = self.fp8.emulate
             if self.sequence_parallel and self.fp8.sequence_parallel_fp8 and self.tp.size > 1:
                 return fp8_linear(x, weight, bias, self.fp8_states, self.tp, sp_gather=True, emulate=emulate)
             x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
             return fp8_linear(x, weight, bias, self.fp8_states, self.tp, sp_gather=False, emulate=emulate)
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        return F.linear(x, self.weight.flatten(0, -2), bias)
+        return F.linear(x, weight, bias)
+
+
+class LinearWeights(nn.Module):
+    """The weight (and bias) of one column-parallel matrix computed inside a fused GEMM
+    (``GroupedQKVLinear``): a module of its own so that its parameters keep their own global names."""
+
+    def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter]):
+        super().__init__()
+        self.weight, self.bias = weight, bias
+
+
+class GroupedQKVLinear(ColumnParallelLinear):
+    """The Q, K and V projections of grouped-query attention as one column-parallel GEMM.
+
+    Q (``q``: ``[n_heads * head_dim, in]``) is split over TP like any column-parallel weight. K and V
+    (``kv``: ``[2, n_kv_heads * head_dim, in]``) are split the same way when TP divides the KV heads;
+    with fewer KV heads than TP ranks (Megatron's rule: TP must then be a multiple of them) each KV head
+    is *replicated* on the ``tp / n_kv_heads`` consecutive TP ranks whose query heads attend to it
+    (``kv_group``). Those holders each see only part of the gradient of their KV head (from their own
+    query heads), so the weight passes through f (identity forward, all-reduce over ``kv_group``
+    backward) and every holder ends the backward with the full gradient; ``ParamSpec.tp_replicas`` tells
+    initialisation, norms and checkpoints that the holders share one piece.
+
+    ``q`` and ``kv`` are owned (registered) by the caller, which names them; this layer holds them
+    unregistered, concatenates them per forward (a copy of the layer's weights) and runs the one GEMM
+    (one input gather under sequence parallelism, one set of FP8 scaling states), output
+    ``[.., (heads + 2 kv_heads) * head_dim / tp]`` as [q | k | v] of this rank's heads.
+    """
+
+    def __init__(self, in_features: int, q_features: int, kv_features: int, tp: Group, kv_group: Optional[Group],
+                 *, sequence_parallel: bool, bias: bool = False, std: float = 0.02, fp8: Optional[Fp8Config] = None):
+        nn.Module.__init__(self)
+        replicas = kv_group.size if kv_group is not None else 1
+        if q_features % tp.size or (kv_features * replicas) % tp.size:
+            raise ValueError(f"Q size {q_features} / KV size {kv_features} do not split over TP size {tp.size} "
+                             f"with {replicas} holder(s) per KV piece")
+        self.tp, self.sequence_parallel, self.kv_group = tp, sequence_parallel, kv_group
+        kv_spec = dict(tp_replicas=replicas)
+        q = LinearWeights(new_param((q_features, in_features), 0, tp.size, std=std),
+                          new_param((q_features,), 0, tp.size, init="zeros") if bias else None)
+        kv = LinearWeights(new_param((2, kv_features, in_features), 1, tp.size, std=std, **kv_spec),
+                           new_param((2, kv_features), 1, tp.size, init="zeros", **kv_spec) if bias else None)
+        self._parts = (q, kv)  # a tuple: not registered here, the attention registers them as ``q`` and ``kv``
+        self.fp8 = fp8
+        self.fp8_states = _fp8_states(fp8, "GroupedQKVLinear")
+
+    @property
+    def parts(self) -> Tuple[LinearWeights, LinearWeights]:
+        return self._parts
+
+    def weight_and_bias(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
+        q, kv = self._parts
+        group = self.kv_group
+
+        def kv_(t: torch.Tensor) -> torch.Tensor:  # replicated KV: sum the holders' gradients in backward
+            return (copy_to_tp(t, group) if group is not None else t).flatten(0, 1)
+
+        weight = torch.cat([q.weight, kv_(kv.weight)])
+        bias = torch.cat([q.bias, kv_(kv.bias)]) if q.bias is not None else None
+        return weight, bias
 
 
 class RowParallelLinear(nn.Module):

@@ -15,7 +15,9 @@ compute dtype) and t the TP size, per transformer layer and micro-batch:
 plus, per micro-batch, the embedding (one reduction forward, or its SP pair), the
 output layer's input (one backward reduction, or its SP pair) and three fp32
 all-reduces of ``s * b`` values in vocab-parallel cross entropy; per step, the
-sum of sequence-parallel norm/bias gradients over TP.
+sum of sequence-parallel norm/bias gradients over TP. Grouped-query attention
+with fewer KV heads than TP ranks adds, per layer and micro-batch, the all-reduce
+of the replicated K/V weight gradient over its holders (group ``tp_kv``).
 
 PP: every forward that feeds a later virtual stage sends ``a / t`` (SP) or ``a``
 bytes; every backward that feeds an earlier one sends the same. DP: the gradient
@@ -29,7 +31,7 @@ from collections import defaultdict
 from typing import Dict
 
 from model.flops import parameter_count
-from parallel.layout import Layout
+from parallel.layout import Layout, kv_replicas
 from parallel.schedule import sends, train_schedule
 from training.config import Config
 
@@ -75,6 +77,13 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
             per_mb += pair + 3 * _ring(t) * s * b * 4  # output layer input, cross entropy
             per_mb -= fp8_saving if head_fp8 else 0.0
         out["tp"] += mb * per_mb
+        replicas = kv_replicas(m.kv_heads, t)
+        if replicas > 1:
+            # grouped-query attention, KV heads replicated over TP: each holder's K/V weight gradient is
+            # all-reduced over its holders in every backward, in the parameters' dtype
+            kv_local = 2 * m.head_dim * (m.d_model + (1 if m.bias else 0)) * m.kv_heads * replicas // t
+            e_param = 4 if cfg.zero.stage == 0 and not fp8 else e
+            out["tp_kv"] += mb * layers * _ring(replicas) * e_param * kv_local
         if sp and cfg.zero.stage == 0 and not fp8:  # (ZeRO and FP8 sum their pieces themselves: below)
             norm = h * (2 if m.norm == "layernorm" else 1)
             elems = layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)

@@ -61,14 +61,15 @@ def build_engine(cfg: Config) -> Engine:
 
 
 def local_grads(engine: Engine) -> Dict[str, tuple]:
-    """Each rank's gradient shards of DP replica 0: name -> (tp_dim, tp_rank, grad)."""
+    """Each rank's gradient shards of DP replica 0: name -> (tp_dim, TP piece, grad) (several TP ranks may hold
+    the same piece: grouped-query attention's replicated KV heads)."""
     if hasattr(engine.dp, "unsharded_grads"):  # ZeRO: gather the shards (a collective over DP)
         grads = engine.dp.unsharded_grads()
     else:
         grads = {n: p.grad.detach().clone() for n, p in engine.params.items()}
     if engine.mesh.dp_rank != 0:
         return {}
-    return {n: (p.spec.tp_dim, engine.mesh.tp_rank, grads[n]) for n, p in engine.params.items()
+    return {n: (p.spec.tp_dim, p.spec.tp_piece(engine.mesh.tp_rank), grads[n]) for n, p in engine.params.items()
             if p.spec.shared_with is None}
 
 

@@ -80,23 +80,27 @@ def test_unscale_and_clip_matches_torch_clip_grad_norm():
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true"],
-                                       ["model.bias=true", "model.norm=layernorm", "model.activation=gelu"]])
+                                       ["model.bias=true", "model.norm=layernorm", "model.activation=gelu"],
+                                       ["model.n_heads=8", "model.n_kv_heads=2", "model.bias=true"]])
 def test_parameter_count_equals_the_model(overrides):
     cfg, model = single_model(*overrides)
     assert parameter_count(cfg.model)["total"] == sum(p.numel() for p in model.parameters())
 
 
-def math_attention(q, k, v, is_causal=True, dropout_p=0.0):
+def math_attention(q, k, v, is_causal=True, dropout_p=0.0, enable_gqa=False):
     """Attention as explicit matmuls, so FlopCounterMode sees them (it does not count CPU SDPA kernels)."""
+    if enable_gqa:  # grouped-query: every query head attends with its group's K/V head
+        k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], dim=1) for t in (k, v))
     scores = q @ k.transpose(-1, -2) / math.sqrt(q.shape[-1])
     mask = torch.ones(q.shape[-2], k.shape[-2], dtype=torch.bool).tril()
     return scores.masked_fill(~mask, float("-inf")).softmax(-1) @ v
 
 
-@pytest.mark.parametrize("activation", ["swiglu", "gelu"])
-def test_flops_per_token_matches_torch_flop_counter(activation, monkeypatch):
+@pytest.mark.parametrize("overrides", [["model.activation=swiglu"], ["model.activation=gelu"],
+                                       ["model.n_heads=8", "model.n_kv_heads=2"]], ids=["swiglu", "gelu", "gqa"])
+def test_flops_per_token_matches_torch_flop_counter(overrides, monkeypatch):
     monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", math_attention)
-    cfg, model = single_model(f"model.activation={activation}")
+    cfg, model = single_model(*overrides)
     tokens = torch.randint(0, cfg.model.vocab_size, (2, cfg.model.seq_len + 1))
     with FlopCounterMode(display=False) as counter:
         model(tokens[:, :-1], tokens[:, 1:]).backward()

@@ -33,7 +33,7 @@ import re
 import shutil
 import time
 from pathlib import Path
-from typing import Any, Dict, List, Optional
+from typing import Any, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -44,10 +44,11 @@ from training.config import Config, to_dict
 from training.engine import Engine
 
 FORMAT_VERSION = 1
-_STEP_DIR = re.compile(r"^step_(\d{8})$")
+STEP_DIR = re.compile(r"^step_(\d{8})$")
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
-_MODEL_KEYS = ("n_layers", "d_model", "n_heads", "vocab_size", "ffn_size", "activation", "norm", "tie_embeddings",
-               "bias")
+MODEL_KEYS = ("n_layers", "d_model", "n_heads", "kv_heads", "vocab_size", "ffn_size", "activation", "norm",
+              "tie_embeddings", "bias", "norm_eps", "rope_theta")
+"""The model settings meta.json records; a checkpoint loads only into a model with the same ones."""
 
 
 class CheckpointError(RuntimeError):
@@ -60,6 +61,42 @@ def _sha256(path: Path) -> str:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
     return h.hexdigest()
+
+
+def file_digest(path: Path) -> Dict[str, Any]:
+    """A manifest entry: the file's size and sha256."""
+    return {"size": path.stat().st_size, "sha256": _sha256(path)}
+
+
+def read_manifest(path: Path) -> Tuple[Optional[str], List[Tuple[str, Dict[str, Any]]]]:
+    """(what is wrong or None, sorted (file name, manifest entry) pairs) of a checkpoint's manifest.json."""
+    manifest_file = path / "manifest.json"
+    try:
+        return None, sorted(json.loads(manifest_file.read_text())["files"].items())
+    except (OSError, ValueError, KeyError) as e:
+        return f"{manifest_file}: unreadable manifest ({e.__class__.__name__}: {e})", []
+
+
+def file_problem(f: Path, entry: Dict[str, Any]) -> Optional[str]:
+    """None if the file is present with the size and sha256 its manifest entry records, else what is wrong."""
+    if not f.is_file():
+        return f"{f}: missing"
+    if f.stat().st_size != entry["size"]:
+        return f"{f}: size {f.stat().st_size} bytes, manifest says {entry['size']} (truncated?)"
+    if _sha256(f) != entry["sha256"]:
+        return f"{f}: content does not match its sha256 in the manifest (corrupted)"
+    return None
+
+
+def verify(path: Path) -> Optional[str]:
+    """None if a checkpoint is complete and intact, else what is wrong; in this process alone (scripts)."""
+    problem, files = read_manifest(path)
+    return problem or next(filter(None, (file_problem(path / name, entry) for name, entry in files)), None)
+
+
+def checkpoint_root(path: Path) -> Path:
+    """The directory holding a run's ``step_*`` checkpoints: ``path``, or the ``checkpoints/`` of a run directory."""
+    return path / "checkpoints" if (path / "checkpoints").is_dir() and not any(path.glob("step_*")) else path
 
 
 def _oserror(e: BaseException) -> Optional[OSError]:
@@ -138,7 +175,7 @@ class Checkpointer:
         return {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
                 "skipped_steps": self.engine.skipped_steps, "loss_scaler": self.engine.scaler.state_dict(),
                 "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
-                "model": {k: getattr(self.cfg.model, k) for k in _MODEL_KEYS},
+                "model": {k: getattr(self.cfg.model, k) for k in MODEL_KEYS},
                 "layout": self._layout(), "data": self.data_fingerprint,
                 "fp8": self.engine.dp.fp8_state() if self.engine.fp8_scaling is not None else None,
                 "time": time.time(), "torch": torch.__version__}
@@ -170,7 +207,7 @@ class Checkpointer:
                 torch.save({"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)},
                            rng_file)
                 mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{self.mesh.rank}_") or p == rng_file]
-                hashes = {p.name: {"size": p.stat().st_size, "sha256": _sha256(p)} for p in mine}
+                hashes = {p.name: file_digest(p) for p in mine}
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported below, on every rank
                 error = _save_error(e, tmp)
             finally:
@@ -183,7 +220,7 @@ class Checkpointer:
                 manifest = {k: v for h, _ in gathered for k, v in h.items()}
                 for p in tmp.iterdir():
                     if p.name not in manifest:
-                        manifest[p.name] = {"size": p.stat().st_size, "sha256": _sha256(p)}
+                        manifest[p.name] = file_digest(p)
                 _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "files": manifest})
                 self._publish(tmp, final, protect)
             except OSError as e:
@@ -211,7 +248,7 @@ class Checkpointer:
         os.replace(latest_tmp, self.dir / "latest")
         if trash is not None:
             shutil.rmtree(trash, ignore_errors=True)
-        complete = sorted(p for p in self.dir.iterdir() if _STEP_DIR.match(p.name))
+        complete = sorted(p for p in self.dir.iterdir() if STEP_DIR.match(p.name))
         keep = {final, Path(protect)} if protect is not None else {final}
         for old in complete[:-self.cfg.checkpoint.keep_last]:
             if old not in keep:
@@ -220,25 +257,12 @@ class Checkpointer:
     # -- find and verify ----------------------------------------------------------------------------
     def _verify(self, path: Path) -> Optional[str]:
         """None if the checkpoint is complete and intact, else what is wrong (hashing spread over ranks)."""
-        problem = None
-        manifest_file = path / "manifest.json"
-        files: List[tuple] = []
-        if self.mesh.rank == 0:
-            try:
-                files = sorted(json.loads(manifest_file.read_text())["files"].items())
-            except (OSError, ValueError, KeyError) as e:
-                problem = f"{manifest_file}: unreadable manifest ({e.__class__.__name__}: {e})"
+        problem, files = read_manifest(path) if self.mesh.rank == 0 else (None, [])
         problem, files = comm.broadcast_object((problem, files), 0, self.world)
         if problem is not None:
             return problem
-        for fname, info in files[self.mesh.rank::self.world.size]:
-            f = path / fname
-            if not f.is_file():
-                problem = f"{f}: missing"
-            elif f.stat().st_size != info["size"]:
-                problem = f"{f}: size {f.stat().st_size} bytes, manifest says {info['size']} (truncated?)"
-            elif _sha256(f) != info["sha256"]:
-                problem = f"{f}: content does not match its sha256 in the manifest (corrupted)"
+        for fname, entry in files[self.mesh.rank::self.world.size]:
+            problem = file_problem(path / fname, entry)
             if problem:
                 break
         problems = [p for p in comm.all_gather_object(problem, self.world) if p]
@@ -255,7 +279,7 @@ class Checkpointer:
         names, quarantined, latest = [], [], None
         if self.mesh.rank == 0 and self.dir.is_dir():
             entries = [p.name for p in self.dir.iterdir()]
-            names = sorted((n for n in entries if _STEP_DIR.match(n)), reverse=True)
+            names = sorted((n for n in entries if STEP_DIR.match(n)), reverse=True)
             quarantined = sorted(n for n in entries if _QUARANTINED.match(n))
             if (self.dir / "latest").is_file():
                 latest = (self.dir / "latest").read_text().strip()
@@ -298,17 +322,10 @@ class Checkpointer:
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: Path, with_optimizer: bool = True) -> Dict[str, Any]:
         """Load a checkpoint into the engine (any layout); returns its meta (step, consumed_samples, ...)."""
-        problem = self._verify(path)
-        if problem is not None:
-            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
-        meta = json.loads((path / "meta.json").read_text())
-        if meta.get("format") != FORMAT_VERSION:
-            raise CheckpointError(f"{path}/meta.json: format {meta.get('format')} is not {FORMAT_VERSION}")
-        mismatched = {k: (meta["model"].get(k), getattr(self.cfg.model, k)) for k in _MODEL_KEYS
-                      if meta["model"].get(k) != getattr(self.cfg.model, k)}
+        meta = self._read_meta(path, f"checkpoint {path}")
+        mismatched = self._model_mismatch(meta)
         if mismatched:
-            fields = ", ".join(f"model.{k}: checkpoint {a!r} vs config {b!r}" for k, (a, b) in mismatched.items())
-            raise CheckpointError(f"checkpoint {path} was trained with a different model ({fields})")
+            raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
         tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8)
         if saved_fp8 and self.engine.fp8_scaling is not None:
@@ -320,6 +337,41 @@ class Checkpointer:
         self.engine.dp.after_load()
         if with_optimizer:
             self._restore_counters(meta, path)
+        return meta
+
+    def _read_meta(self, path: Path, what: str) -> Dict[str, Any]:
+        """The meta.json of a checkpoint whose files pass verification (sizes and hashes) and whose format we read."""
+        problem = self._verify(path)
+        if problem is not None:
+            raise CheckpointError(f"{what} is not usable: {problem}")
+        meta = json.loads((path / "meta.json").read_text())
+        if meta.get("format") != FORMAT_VERSION:
+            raise CheckpointError(f"{path}/meta.json: format {meta.get('format')} is not {FORMAT_VERSION}")
+        return meta
+
+    def _model_mismatch(self, meta: Dict[str, Any]) -> List[str]:
+        """The run's model settings that differ from those the checkpoint records, one phrase each. Settings it
+        does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
+        attention every checkpoint had n_kv_heads = n_heads."""
+        saved = {"kv_heads": meta["model"].get("n_heads"), **meta["model"]}
+        model = self.cfg.model
+        return [f"model.{'n_kv_heads' if k == 'kv_heads' else k}: checkpoint {saved[k]!r} vs config "
+                f"{getattr(model, k)!r}" for k in MODEL_KEYS if k in saved and saved[k] != getattr(model, k)]
+
+    def load_weights(self, path: Path) -> Dict[str, Any]:
+        """``checkpoint.init_from``: only the model weights of a verified checkpoint (any layout, e.g. an imported
+        Hugging Face model), into this engine (any layout); optimizer, step, loss scale, FP8 scaling state and
+        RNG stay fresh. The model settings the checkpoint records must equal the run's: those every checkpoint
+        has, plus the normalisation epsilon, rotary base and key/value heads where it records them (imports do).
+        Returns its meta."""
+        meta = self._read_meta(path, f"checkpoint.init_from={path}")
+        mismatched = self._model_mismatch(meta)
+        if mismatched:
+            raise CheckpointError(f"checkpoint.init_from={path} holds a different model ({', '.join(mismatched)}); "
+                                  "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
+        tensors = self._tensors(for_load=True, with_optimizer=False, fp8=False)
+        dcp.load(tensors, checkpoint_id=str(path))
+        self.engine.dp.after_load()
         return meta
 
     def _restore_counters(self, meta: Dict[str, Any], path: Path) -> None:

@@ -32,6 +32,9 @@ class ModelConfig:
     """Hidden size."""
     n_heads: int = 4
     """Attention heads; d_model must be divisible by it."""
+    n_kv_heads: Optional[int] = None
+    """Key/value heads (grouped-query attention); default n_heads (multi-head attention). Must divide
+    n_heads; split over TP when divisible by parallel.tp, else replicated (parallel.tp a multiple of it)."""
     seq_len: int = 128
     """Training sequence length in tokens."""
     max_seq_len: Optional[int] = None
@@ -60,6 +63,10 @@ class ModelConfig:
     """Std of the normal initialisation; output projections use init_std/sqrt(2*n_layers)."""
     activation_checkpointing: str = "off"
     """Recompute activations in backward: off | full (every block) | selective (attention core)."""
+
+    @property
+    def kv_heads(self) -> int:
+        return self.n_kv_heads if self.n_kv_heads is not None else self.n_heads
 
     @property
     def head_dim(self) -> int:
@@ -406,6 +413,10 @@ def validate_config(cfg: Config) -> None:
         need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
         need(m.head_dim % 2 == 0,
              f"head dim d_model/n_heads={m.d_model}/{m.n_heads} must be even for rotary embeddings")
+        if m.n_kv_heads is not None:
+            need(1 <= m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
+                 f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each KV head serves "
+                 f"the same number of query heads)")
     need(m.seq_len <= m.max_positions,
          f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
     need(m.ffn_size >= 1, f"model.ffn_hidden={m.ffn_hidden} must be >= 1")

@@ -25,6 +25,7 @@ from model.gpt import build_chunks, named_parameters
 from model.layers import TPContext
 from parallel import comm
 from parallel.data_parallel import DataParallel
+from parallel.layout import kv_replicas
 from parallel.mesh import Mesh
 from parallel.pipeline import PipelineRunner
 from parallel.random import RNGTracker
@@ -44,7 +45,9 @@ class Engine:
         fp8 = cfg.precision == "fp8"
         if fp8:
             check_fp8_device(mesh.device, cfg.fp8)
-        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if fp8 else None)
+        replicas = kv_replicas(m.kv_heads, layout.tp)
+        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if fp8 else None,
+                        kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))

@@ -156,8 +156,10 @@ def activation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, in
         checkpoints = 2 * b * s * h * layers // ci // (t if layout.sequence_parallel else 1)
         working = b * s * ci * (16 * h + 2 * a * s) // t
         return {"checkpoints": checkpoints * in_flight, "recompute_working": working}
+    # grouped-query attention stores K and V (2sbh each in the 34sbh) for n_kv_heads / n_heads of the heads
+    kv_saving = 4 * (1 - m.kv_heads / m.n_heads)
     if layout.sequence_parallel:
-        per_layer = s * b * h * (34 + 5 * a * s / h) / t
+        per_layer = s * b * h * (34 - kv_saving + 5 * a * s / h) / t
     else:
-        per_layer = s * b * h * (10 + 24 / t + 5 * a * s / (h * t))
+        per_layer = s * b * h * (10 + (24 - kv_saving) / t + 5 * a * s / (h * t))
     return {"stored": int(per_layer * layers * in_flight), "recompute_working": 0}

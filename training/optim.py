@@ -88,11 +88,12 @@ class LossScaler:
 
 
 def owns_gradient(p: nn.Parameter, tp_rank: int) -> bool:
-    """Count each global parameter once in the norm: TP-replicated ones on TP rank 0, tied copies never."""
+    """Count each global parameter once in the norm: TP-replicated ones (and pieces held by several TP ranks)
+    on their first holder, tied copies never."""
     spec = p.spec
     if spec.shared_with is not None:
         return False
-    return spec.tp_dim is not None or tp_rank == 0
+    return spec.owns_once(tp_rank)
 
 
 def grad_factor(norm: float, loss_scale: float, max_norm: float) -> float:

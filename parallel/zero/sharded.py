@@ -419,9 +419,7 @@ class ZeroDataParallel:
                 pieces[i].append((a, b, at))
             for i, (name, p) in enumerate(zip(u.names, u.params)):
                 spec, local = p.spec, tuple(p.shape)
-                offset = [0] * len(local)
-                if spec.tp_dim is not None:
-                    offset[spec.tp_dim] = self.mesh.tp_rank * local[spec.tp_dim]
+                offset = spec.tp_offset(local, self.mesh.tp_rank)
                 sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
                 out[name] = {key: shard_view(spec.global_shape, local, offset,
                                              [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]],

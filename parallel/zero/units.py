@@ -24,7 +24,7 @@ from torch import nn
 from model.gpt import GPTChunk, chunk_layers
 from model.layers import TPContext
 from parallel.comm import Group, Ledger
-from parallel.layout import Layout
+from parallel.layout import Layout, kv_replicas
 from training.config import Config
 
 
@@ -69,7 +69,9 @@ def chunk_units(chunk: nn.Module) -> tuple:
 def meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]:
     """A pipeline rank's chunks with meta tensors: the real modules' shapes and parameter order, no data."""
     tp = Group("tp", None, list(range(layout.tp)), 0, "intra", Ledger())
-    ctx = TPContext(tp, layout.sequence_parallel, rng=None)  # type: ignore[arg-type]
+    replicas = kv_replicas(cfg.model.kv_heads, layout.tp)
+    kv_group = Group("tp_kv", None, list(range(replicas)), 0, "intra", Ledger()) if replicas > 1 else None
+    ctx = TPContext(tp, layout.sequence_parallel, rng=None, kv_group=kv_group)  # type: ignore[arg-type]
     last_v = layout.pp * layout.virtual_stages - 1
     with torch.device("meta"):
         return [GPTChunk(cfg.model, ctx, layers, first=v == 0, last=v == last_v,
