@@ -252,6 +252,10 @@ class CheckpointConfig:
     """Resume from the newest valid checkpoint in dir when there is one."""
     load: Optional[str] = None
     """Start from this checkpoint directory instead (e.g. another run's); must be valid."""
+    init_from: Optional[str] = None
+    """Initialise the model weights from this checkpoint (a checkpoint, a checkpoint root or a run directory; e.g.
+    the output of scripts/import_hf.py), at step 0 with a fresh optimizer, in any layout. Ignored when dir holds a
+    checkpoint to resume from (a requeued job resumes its own progress). Its model settings must equal the run's."""
     save_at_exit: bool = True
     """Save when the run ends (max steps, time limit or SIGTERM/SIGUSR1)."""
     allow_fresh_start: bool = False
@@ -439,6 +443,11 @@ def validate_config(cfg: Config) -> None:
     need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 1,
          f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 and "
          f"checkpoint.keep_last={cfg.checkpoint.keep_last} >= 1")
+    need(cfg.checkpoint.init_from is None or cfg.checkpoint.init_from.strip() != "",
+         "checkpoint.init_from is empty: give a checkpoint path or leave it unset")
+    need(not (cfg.checkpoint.init_from and cfg.checkpoint.load),
+         f"checkpoint.init_from={cfg.checkpoint.init_from} and checkpoint.load={cfg.checkpoint.load} exclude each "
+         "other: load resumes a run (optimizer and step), init_from starts one from weights only")
     need(cfg.loss_scale.initial >= cfg.loss_scale.min_scale > 0,
          f"loss_scale.initial={cfg.loss_scale.initial} must be >= loss_scale.min_scale={cfg.loss_scale.min_scale} > 0")
     need(len(cfg.data.paths) >= 1, "data.paths is empty")

@@ -28,7 +28,7 @@ from parallel import comm
 from parallel.launch import init_distributed, pick_device, read_launch_env
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
-from training.checkpoint import Checkpointer, CheckpointError
+from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
 from training.config import Config, to_yaml, validate_config
 from training.engine import Engine
 from training.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
@@ -115,10 +115,31 @@ def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path]
     elif cfg.checkpoint.resume:
         start = ckpt.find_resumable()
     if start is None:
+        if cfg.checkpoint.init_from:
+            _init_from(cfg, ckpt, mesh)
         return None, 0
     meta = ckpt.load(start)
     _check_same_data(meta, ckpt.data_fingerprint, cfg, start, mesh)
     return start, meta["consumed_samples"]
+
+
+def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> None:
+    """A fresh run starts from the weights of checkpoint.init_from: a checkpoint, or the newest valid one under a
+    checkpoint root or run directory."""
+    given = Path(cfg.checkpoint.init_from)
+    path: Optional[Path] = given
+    if not given.exists():
+        raise CheckpointError(f"checkpoint.init_from={given} does not exist")
+    if not (given / "meta.json").is_file():
+        path = Checkpointer(cfg, str(checkpoint_root(given)), ckpt.engine).find_resumable(quarantine=False)
+        if path is None:
+            raise CheckpointError(f"checkpoint.init_from={given} holds no checkpoint (expected meta.json, step_*/ or "
+                                  "checkpoints/step_*/ there)")
+    meta = ckpt.load_weights(path)
+    if mesh.rank == 0:
+        source = f", imported from {meta['imported_from']}" if meta.get("imported_from") else ""
+        print(f"[train] model weights from {path} (checkpoint.init_from{source}; step {meta.get('step')} there); "
+              "fresh optimizer, step 0", flush=True)
 
 
 def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, path: Path, mesh: Mesh) -> None:

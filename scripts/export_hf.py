@@ -1,0 +1,255 @@
+"""Export a checkpoint as a Hugging Face Llama directory that ``transformers`` loads with ``from_pretrained``.
+
+    python scripts/export_hf.py --checkpoint RUN_OR_STEP_DIR --output DIR [--dtype float32|bfloat16|float16]
+                                [--max-shard-size 5GB] [--tokenizer PATH | --no-tokenizer] [--force]
+
+``--checkpoint`` is one checkpoint (``.../step_00000200``), a checkpoint root (its newest valid checkpoint)
+or a run directory holding ``checkpoints/``, written at any layout (tp, pp, dp, any ZeRO stage, fp8):
+checkpoints hold every parameter under its global name and shape, read here in one process with
+``torch.distributed.checkpoint`` (no process group). ``DIR`` receives ``config.json``, the weights as
+``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``
+when larger than ``--max-shard-size``) and the tokenizer (our sentencepiece ``tokenizer.model``,
+``tokenizer_config.json``, ``special_tokens_map.json``, and ``tokenizer.json`` when transformers is
+installed). A model Llama cannot express (``model.activation=gelu``, ``model.norm=layernorm``) is refused
+with one line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import re
+import shutil
+import sys
+from pathlib import Path
+from typing import Any, Dict, List, Tuple
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the application runs from the repository root (like Megatron-LM)
+
+import torch  # noqa: E402
+
+from model.hf import HFError, export_problems, llama_config, model_config, to_hf  # noqa: E402
+from training.checkpoint import STEP_DIR, checkpoint_root, verify  # noqa: E402
+
+DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
+_UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
+WEIGHT_FILES = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
+
+
+def parse_size(text: str) -> int:
+    """Bytes of '5GB', '200MB', '64KiB' or '1000' (decimal units as transformers reads them, binary with 'i')."""
+    match = re.fullmatch(r"\s*(\d+(?:\.\d+)?)\s*([KMG]i?B|B)?\s*", text, re.IGNORECASE)
+    if not match or float(match.group(1)) <= 0:
+        raise HFError(f"--max-shard-size {text!r} is not a size like 5GB, 500MB or 1000000")
+    return int(float(match.group(1)) * _UNITS[(match.group(2) or "").upper()])
+
+
+# ---- the checkpoint -----------------------------------------------------------------------------------------
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the newest valid one under a root or run directory."""
+    if not path.exists():
+        raise HFError(f"checkpoint {path} does not exist")
+    if (path / "meta.json").is_file():
+        problem = verify(path)
+        if problem:
+            raise HFError(f"checkpoint {path} is not usable: {problem}")
+        return path
+    root = checkpoint_root(path)
+    candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    if not candidates:
+        raise HFError(f"no checkpoint in {path} (expected meta.json, step_*/ or checkpoints/step_*/ there)")
+    rejected = []
+    for step_dir in candidates:
+        problem = verify(step_dir)
+        if problem is None:
+            for name, why in rejected:
+                print(f"[export] WARNING: {name} is not usable ({why}); exporting {step_dir.name}", file=sys.stderr)
+            return step_dir
+        rejected.append((step_dir.name, problem))
+    raise HFError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
+
+
+def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
+    """Every ``model.<name>`` tensor of a checkpoint, whole (global shape), read in this process without a
+    process group; names without the ``model.`` prefix."""
+    import torch.distributed.checkpoint as dcp
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+
+    import warnings
+
+    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
+             for key, md in metadata.state_dict_metadata.items()
+             if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    if not state:
+        raise HFError(f"checkpoint {step_dir} holds no model.* tensors")
+    with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+    return {key[len("model."):]: t for key, t in state.items()}
+
+
+# ---- writing ------------------------------------------------------------------------------------------------
+
+def shard(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, torch.Tensor]]:
+    """Tensors in order, cut into groups of at most ``max_bytes`` (a larger tensor gets a shard of its own)."""
+    shards: List[Dict[str, torch.Tensor]] = [{}]
+    size = 0
+    for name, t in tensors.items():
+        nbytes = t.numel() * t.element_size()
+        if shards[-1] and size + nbytes > max_bytes:
+            shards.append({})
+            size = 0
+        shards[-1][name] = t
+        size += nbytes
+    return shards
+
+
+def write_weights(tensors: Dict[str, torch.Tensor], out: Path, max_bytes: int) -> List[str]:
+    """model.safetensors, or shards plus model.safetensors.index.json (transformers' layout); the file names."""
+    from safetensors.torch import save_file
+
+    groups = shard(tensors, max_bytes)
+    if len(groups) == 1:
+        save_file(groups[0], str(out / "model.safetensors"), metadata={"format": "pt"})
+        return ["model.safetensors"]
+    names, weight_map = [], {}
+    for k, group in enumerate(groups, start=1):
+        name = f"model-{k:05d}-of-{len(groups):05d}.safetensors"
+        save_file(group, str(out / name), metadata={"format": "pt"})
+        names.append(name)
+        weight_map.update({t: name for t in group})
+    total = sum(t.numel() * t.element_size() for t in tensors.values())
+    index = {"metadata": {"total_size": total}, "weight_map": weight_map}
+    (out / "model.safetensors.index.json").write_text(json.dumps(index, indent=2, sort_keys=True) + "\n")
+    return names + ["model.safetensors.index.json"]
+
+
+def resolve_tokenizer(name: str, override: str | None) -> Path:
+    """The sentencepiece model: --tokenizer, or the checkpoint's data.tokenizer (as given, or under the repo)."""
+    for candidate in ([Path(override)] if override else [Path(name), ROOT / name]):
+        if candidate.is_file():
+            return candidate
+    raise HFError(f"tokenizer {override or name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
+
+
+def write_tokenizer(model_file: Path, out: Path, vocab_size: int, max_positions: int) -> Tuple[int, int]:
+    """tokenizer.model (ours, copied) and the files transformers' LlamaTokenizer reads; returns (bos, eos) ids."""
+    from data.tokenizer import Tokenizer
+
+    tok = Tokenizer(str(model_file))
+    if tok.vocab_size > vocab_size:
+        raise HFError(f"tokenizer {model_file} has {tok.vocab_size} tokens but the model's vocabulary has "
+                      f"{vocab_size} rows")
+    shutil.copyfile(model_file, out / "tokenizer.model")
+    piece = tok._sp.id_to_piece
+    special = {"bos_token": piece(tok.bos_id), "eos_token": piece(tok.eod_id), "unk_token": piece(tok._sp.unk_id())}
+    config = {"tokenizer_class": "LlamaTokenizer", **special, "pad_token": None, "add_bos_token": False,
+              "add_eos_token": False, "legacy": False, "clean_up_tokenization_spaces": False,
+              "model_max_length": max_positions}
+    (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    (out / "special_tokens_map.json").write_text(json.dumps(special, indent=2) + "\n")
+    try:  # the converted fast tokenizer, so that loading needs no sentencepiece conversion
+        from transformers import AutoTokenizer
+    except ImportError:
+        pass
+    else:
+        AutoTokenizer.from_pretrained(str(out)).backend_tokenizer.save(str(out / "tokenizer.json"))
+        if _always_prefix_a_space(model_file, out / "tokenizer.json"):
+            # transformers' LlamaTokenizer rebuilds its pre-tokenizer in code; the generic class takes the file
+            config["tokenizer_class"] = "PreTrainedTokenizerFast"
+            (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
+    return tok.bos_id, tok.eod_id
+
+
+def _always_prefix_a_space(model_file: Path, tokenizer_json: Path) -> bool:
+    """Make the fast tokenizer add sentencepiece's dummy prefix even to text that starts with a space.
+
+    transformers converts a sentencepiece model into a ``Metaspace`` pre-tokenizer, which prepends "▁" only
+    when the text does not already start with one, so " x" encodes as "▁x" where sentencepiece (with
+    ``add_dummy_prefix``, as ours is trained) gives "▁▁x". The normalizer of the original Llama
+    ``tokenizer.json`` (prepend "▁", then spaces to "▁", no pre-tokenizer) is sentencepiece's behaviour.
+    Returns whether the file was changed."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString(model_file.read_bytes())
+    spec = proto.normalizer_spec
+    if not spec.add_dummy_prefix or spec.remove_extra_whitespaces:
+        return False  # transformers' conversion already behaves as sentencepiece does
+    data = json.loads(tokenizer_json.read_text())
+    data["normalizer"] = {"type": "Sequence", "normalizers": [
+        {"type": "Prepend", "prepend": "\u2581"},
+        {"type": "Replace", "pattern": {"String": " "}, "content": "\u2581"}]}
+    data["pre_tokenizer"] = None
+    tokenizer_json.write_text(json.dumps(data, ensure_ascii=False))
+    return True
+
+
+def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
+           tokenizer: str | None = None, no_tokenizer: bool = False, force: bool = False) -> Dict[str, Any]:
+    """Write the Llama directory; returns a summary (checkpoint, step, files)."""
+    max_bytes = parse_size(max_shard_size)
+    step_dir = find_checkpoint(checkpoint)
+    try:
+        meta = json.loads((step_dir / "meta.json").read_text())
+        config = meta["config"]
+        settings = config["model"]
+    except (OSError, ValueError, KeyError) as e:
+        raise HFError(f"{step_dir / 'meta.json'}: no model config in it ({e.__class__.__name__}: {e})") from None
+    problems = export_problems(settings)
+    if problems:
+        raise HFError(f"cannot export {step_dir} to Llama: " + "; ".join(problems))
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()):
+        if not force:
+            raise HFError(f"--output {out} is not empty (pass --force to write into it)")
+        for stale in out.iterdir():  # weights of an earlier export would mix with these
+            if WEIGHT_FILES.match(stale.name):
+                stale.unlink()
+    tok_file = None if no_tokenizer else resolve_tokenizer(config.get("data", {}).get("tokenizer", ""), tokenizer)
+    tensors = to_hf(read_model_tensors(step_dir), settings)
+    tensors = {k: t.to(DTYPES[dtype]) for k, t in tensors.items()}
+    out.mkdir(parents=True, exist_ok=True)
+    files = write_weights(tensors, out, max_bytes)
+    m = model_config(settings)
+    bos, eos = write_tokenizer(tok_file, out, m.vocab_size, m.max_positions) if tok_file else (None, None)
+    (out / "config.json").write_text(json.dumps(llama_config(settings, dtype=dtype, bos_id=bos, eos_id=eos),
+                                                indent=2) + "\n")
+    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}) + "\n")
+    return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files,
+            "parameters": sum(t.numel() for t in tensors.values())}
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--checkpoint", required=True, help="checkpoint dir, checkpoint root or run dir")
+    p.add_argument("--output", required=True, help="directory to write the Llama model into")
+    p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
+    p.add_argument("--max-shard-size", default="5GB", help="largest weights file before sharding (e.g. 5GB, 500MB)")
+    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's data.tokenizer)")
+    p.add_argument("--no-tokenizer", action="store_true", help="write the model only (config and weights)")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --output")
+    args = p.parse_args(argv)
+    try:
+        summary = export(Path(args.checkpoint), Path(args.output), dtype=args.dtype,
+                         max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
+                         no_tokenizer=args.no_tokenizer, force=args.force)
+    except HFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    except ImportError as e:
+        print(f"error: {e.name or e} is needed to write safetensors files (pip install safetensors)",
+              file=sys.stderr)
+        return 2
+    print(f"[export] {summary['checkpoint']} (step {summary['step']}, {summary['parameters'] / 1e6:.2f}M "
+          f"parameters) -> {args.output}: {', '.join(summary['files'])}", file=sys.stderr)
+    print(f"from transformers import AutoModelForCausalLM, AutoTokenizer; "
+          f"AutoModelForCausalLM.from_pretrained({str(args.output)!r})")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,166 @@
+"""Import a Hugging Face Llama directory as a checkpoint that train.py starts from (``checkpoint.init_from``).
+
+    python scripts/import_hf.py --model DIR --output CHECKPOINT_DIR [--force]
+
+``DIR`` holds ``config.json`` and the weights: ``model.safetensors``, sharded safetensors with
+``model.safetensors.index.json``, ``pytorch_model.bin`` or sharded ``pytorch_model.bin.index.json``;
+grouped-query attention (``num_key_value_heads`` < ``num_attention_heads``) included. ``CHECKPOINT_DIR``
+becomes one checkpoint of this repository (``torch.distributed.checkpoint`` files with every parameter
+under its global name and shape, ``meta.json`` at step 0, ``manifest.json``), so any layout (tp, pp, dp,
+ZeRO stages, fp8) loads it. Next to it: ``model.yaml``, the ``model.*`` settings the Llama implies plus
+``checkpoint.init_from`` (and ``data.tokenizer`` when DIR has a ``tokenizer.model``), usable as
+``--config`` or merged into one; the train command is printed.
+
+A Llama we cannot express (rope scaling, head_dim != hidden_size / heads, hidden_act other than silu,
+attention_bias != mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong
+shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused
+unless ``--force``.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import shutil
+import sys
+import time
+import warnings
+from pathlib import Path
+from typing import Any, Dict
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # the application runs from the repository root (like Megatron-LM)
+
+import torch  # noqa: E402
+import yaml  # noqa: E402
+
+from model.hf import HFError, from_hf, model_config, model_settings  # noqa: E402
+from training.checkpoint import FORMAT_VERSION, MODEL_KEYS, file_digest  # noqa: E402
+from training.config import Config, to_dict  # noqa: E402
+
+
+def read_config(model_dir: Path) -> Dict[str, Any]:
+    if not model_dir.is_dir():
+        raise HFError(f"--model {model_dir} is not a directory")
+    path = model_dir / "config.json"
+    if not path.is_file():
+        raise HFError(f"{path} not found (a Hugging Face model directory has a config.json)")
+    try:
+        cfg = json.loads(path.read_text())
+    except (OSError, ValueError) as e:
+        raise HFError(f"{path} is not readable JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(cfg, dict):
+        raise HFError(f"{path} is not a JSON object")
+    return cfg
+
+
+def _load_file(path: Path) -> Dict[str, torch.Tensor]:
+    if not path.is_file():
+        raise HFError(f"weights file {path} not found")
+    try:
+        if path.suffix == ".safetensors":
+            from safetensors.torch import load_file
+            return load_file(str(path))
+        return torch.load(path, map_location="cpu", weights_only=True)
+    except ImportError:
+        raise HFError("safetensors is needed to read .safetensors files (pip install safetensors)") from None
+    except Exception as e:  # noqa: BLE001 - any unreadable file is one line naming it
+        first = str(e).splitlines()[0] if str(e) else ""
+        raise HFError(f"cannot read weights file {path}: {e.__class__.__name__}: {first}") from None
+
+
+def read_weights(model_dir: Path) -> Dict[str, torch.Tensor]:
+    """Every tensor of the model: one file or the shards an index names (safetensors preferred)."""
+    for index_name, single in (("model.safetensors.index.json", "model.safetensors"),
+                               ("pytorch_model.bin.index.json", "pytorch_model.bin")):
+        index = model_dir / index_name
+        if index.is_file():
+            try:
+                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+            except (OSError, ValueError, KeyError, AttributeError) as e:
+                raise HFError(f"{index} has no readable weight_map ({e.__class__.__name__})") from None
+            tensors: Dict[str, torch.Tensor] = {}
+            for name in files:
+                tensors.update(_load_file(model_dir / name))
+            return tensors
+        if (model_dir / single).is_file():
+            return _load_file(model_dir / single)
+    raise HFError(f"no weights in {model_dir} (expected model.safetensors, model.safetensors.index.json, "
+                  "pytorch_model.bin or pytorch_model.bin.index.json)")
+
+
+def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], out: Path, source: Path,
+                     tokenizer: Path | None) -> None:
+    """A step-0 checkpoint of the model weights only (what ``checkpoint.init_from`` reads), as train.py writes
+    them: DCP files under ``model.<global name>``, meta.json (with the full config), manifest.json last."""
+    import torch.distributed.checkpoint as dcp
+
+    with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.save({f"model.{k}": t.contiguous() for k, t in tensors.items()}, checkpoint_id=str(out), no_dist=True)
+    config = to_dict(Config())
+    config["model"].update(settings)
+    if tokenizer is not None:
+        config["data"]["tokenizer"] = str(tokenizer)
+    m = model_config(settings)
+    model = {k: getattr(m, k) for k in MODEL_KEYS}  # what train.py records
+    meta = {"format": FORMAT_VERSION, "step": 0, "consumed_samples": 0, "skipped_steps": 0, "config": config,
+            "model": model, "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1},
+            "data": None, "fp8": None, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}
+    (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    extras = ("manifest.json", "model.yaml", "tokenizer.model")  # next to the checkpoint, not part of it
+    files = {p.name: file_digest(p) for p in sorted(out.iterdir()) if p.is_file() and p.name not in extras}
+    (out / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1,
+                                                  sort_keys=True))
+
+
+def model_yaml(settings: Dict[str, Any], out: Path, tokenizer: Path | None) -> str:
+    """The settings a run needs to start from this checkpoint (``--config``, or merged into one)."""
+    doc: Dict[str, Any] = {"model": dict(settings), "checkpoint": {"init_from": str(out)}}
+    if tokenizer is not None:
+        doc["data"] = {"tokenizer": str(tokenizer)}
+    header = ("# Written by scripts/import_hf.py: the model.* settings of the imported Llama; train.py starts from\n"
+              "# its weights (checkpoint.init_from, fresh optimizer, step 0). Set data.paths to data tokenized with\n"
+              "# data.tokenizer; seq_len may be anything up to max_seq_len.\n")
+    return header + yaml.safe_dump(doc, sort_keys=False)
+
+
+def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, Any]:
+    """Convert; returns the settings (the model section) written."""
+    settings = model_settings(read_config(model_dir))
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--output {out} exists and is not a directory")
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HFError(f"--output {out} is not empty (pass --force to write into it)")
+    tensors = from_hf(read_weights(model_dir), settings)
+    out = out.resolve()
+    out.mkdir(parents=True, exist_ok=True)
+    tokenizer = None
+    if (model_dir / "tokenizer.model").is_file():
+        tokenizer = out / "tokenizer.model"
+        shutil.copyfile(model_dir / "tokenizer.model", tokenizer)
+    write_checkpoint(tensors, settings, out, model_dir.resolve(), tokenizer)
+    (out / "model.yaml").write_text(model_yaml(settings, out, tokenizer))
+    return settings
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
+    p.add_argument("--model", required=True, help="Hugging Face Llama directory (config.json and weights)")
+    p.add_argument("--output", required=True, help="checkpoint directory to write")
+    p.add_argument("--force", action="store_true", help="write into a non-empty --output")
+    args = p.parse_args(argv)
+    try:
+        settings = import_model(Path(args.model), Path(args.output), force=args.force)
+    except HFError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    out = Path(args.output).resolve()
+    print(f"[import] {args.model} -> {out} ({settings['n_layers']} layers, d_model {settings['d_model']}, "
+          f"{settings['n_heads']} heads" + (f", {settings['n_kv_heads']} KV heads" if 'n_kv_heads' in settings else "")
+          + f", vocabulary {settings['vocab_size']}); train from it with:", file=sys.stderr)
+    print(f"python train.py --config {out / 'model.yaml'} data.paths=[YOUR_DATA_PREFIX]")
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,241 @@
+"""scripts/export_hf.py: checkpoints of any layout become Llama directories that transformers loads and that
+give our model's logits and greedy text. The reference is transformers' own LlamaForCausalLM (fp32)."""
+import json
+import os
+import shutil
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import torch.distributed as dist
+from omegaconf import OmegaConf
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import checkpoint_worker
+
+import transformers  # noqa: E402  (a test dependency: requirements-dev.txt)
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "scripts"))
+import export_hf  # noqa: E402
+
+RTOL = 1e-5
+TOKENIZER_VOCAB = 4096  # the bundled tokenizer's: generation needs real tokens
+PROMPT = "The function returns"
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def our_logits(step_dir: Path, tokens: torch.Tensor, config_file: Path = None, overrides=()) -> torch.Tensor:
+    """Logits [b, s, V] of our single-process fp32 model holding a checkpoint's weights (the code under test).
+
+    The config is the checkpoint's own (meta.json), or ``config_file`` (e.g. an import's model.yaml)."""
+    from parallel.launch import LaunchEnv, init_distributed
+    from parallel.layout import make_layout
+    from parallel.mesh import Mesh
+    from training.checkpoint import Checkpointer
+    from training.config import load_config
+    from training.engine import Engine
+
+    if config_file is None:
+        config_file = step_dir.parent / f"{step_dir.name}.yaml"
+        OmegaConf.save(OmegaConf.load(step_dir / "meta.json").config, config_file)
+    cfg = load_config(str(config_file), ["parallel.tp=1", "parallel.pp=1", "parallel.sequence_parallel=false",
+                                         "zero.stage=0", "precision=fp32", "device=cpu", "train.micro_batch_size=1",
+                                         "train.global_batch_size=1", "logging.wandb.mode=disabled", *overrides])
+    owned = not dist.is_initialized()
+    init_distributed(LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single"), torch.device("cpu"), 60)
+    try:
+        engine = Engine(cfg, Mesh(make_layout(cfg, 1, 1), torch.device("cpu")))
+        Checkpointer(cfg, str(step_dir.parent), engine).load_weights(step_dir)
+        with torch.no_grad():
+            return engine.chunks[0].eval().logits(tokens)
+    finally:
+        if owned:
+            dist.destroy_process_group()
+
+
+def hf_logits(model_dir: Path, tokens: torch.Tensor) -> torch.Tensor:
+    model = transformers.LlamaForCausalLM.from_pretrained(str(model_dir), dtype=torch.float32).eval()
+    with torch.no_grad():
+        return model(tokens).logits
+
+
+def assert_close(got: torch.Tensor, want: torch.Tensor, rtol: float = RTOL) -> None:
+    """Equal within rtol relative to the largest logit (fp32 sums in another order)."""
+    assert got.shape == want.shape
+    err = ((got - want).abs().max() / want.abs().max()).item()
+    assert err <= rtol, f"logits differ by {err:.2e} relative to the largest"
+
+
+def random_tokens(vocab: int, seq: int = 32, batch: int = 2, seed: int = 0) -> torch.Tensor:
+    return torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(seed))
+
+
+def export(*args: str) -> int:
+    return export_hf.main([str(a) for a in args])
+
+
+def train(tmp: Path, world: int, overrides, steps: int = 2) -> Path:
+    """A checkpoint of the tiny model (the bundled tokenizer's vocabulary) trained ``steps`` steps on synthetic
+    data in a layout; its step directory."""
+    overrides = [f"model.vocab_size={TOKENIZER_VOCAB}", *overrides]
+    run_world(checkpoint_worker, world, overrides, "fresh", steps, str(tmp))
+    return tmp / f"step_{steps:08d}"
+
+
+@pytest.fixture(scope="module")
+def tp2_pp2(tmp_path_factory) -> Path:
+    """A model trained at tp2 x pp2 (sequence parallel) over the bundled tokenizer's vocabulary."""
+    return train(tmp_path_factory.mktemp("tp2pp2"), 4, ["parallel.tp=2", "parallel.pp=2",
+                                                        "parallel.sequence_parallel=true"])
+
+
+@pytest.fixture(scope="module")
+def exported(tp2_pp2, tmp_path_factory) -> Path:
+    out = tmp_path_factory.mktemp("hf") / "llama"
+    assert export("--checkpoint", tp2_pp2.parent, "--output", out) == 0  # a checkpoint root: its newest
+    return out
+
+
+def test_tp2_pp2_checkpoint_exports_and_transformers_gives_the_same_logits(tp2_pp2, exported):
+    files = sorted(p.name for p in exported.iterdir())
+    assert files == ["config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+                     "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]
+    config = transformers.AutoConfig.from_pretrained(str(exported))
+    assert (config.num_hidden_layers, config.hidden_size, config.num_attention_heads, config.num_key_value_heads,
+            config.intermediate_size, config.vocab_size) == (4, 64, 4, 4, 128, TOKENIZER_VOCAB)
+    assert config.rms_norm_eps == 1e-5 and config.rope_parameters["rope_theta"] == 10000.0
+    assert config.max_position_embeddings == 32 and not config.tie_word_embeddings
+    assert not config.attention_bias and not config.mlp_bias and config.hidden_act == "silu"
+    tokens = random_tokens(TOKENIZER_VOCAB)
+    assert_close(our_logits(tp2_pp2, tokens), hf_logits(exported, tokens))
+
+
+def test_large_models_are_sharded_with_an_index(tp2_pp2, exported, tmp_path):
+    out = tmp_path / "sharded"
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--max-shard-size", "400KB") == 0
+    index = json.loads((out / "model.safetensors.index.json").read_text())
+    shards = sorted(set(index["weight_map"].values()))
+    assert len(shards) >= 3 and not (out / "model.safetensors").exists()
+    for s in shards:  # within the limit (plus the file's header), unless one tensor alone is larger
+        names = [k for k, v in index["weight_map"].items() if v == s]
+        assert (out / s).stat().st_size - _safetensors_header(out / s) <= 400_000 or len(names) == 1, s
+    assert index["metadata"]["total_size"] == (exported / "model.safetensors").stat().st_size - \
+        _safetensors_header(exported / "model.safetensors")
+    tokens = random_tokens(TOKENIZER_VOCAB, seed=1)
+    assert_close(our_logits(tp2_pp2, tokens), hf_logits(out, tokens))
+
+
+def _safetensors_header(path: Path) -> int:
+    with open(path, "rb") as f:
+        return 8 + int.from_bytes(f.read(8), "little")
+
+
+def test_greedy_text_of_generate_py_and_of_transformers_generate_agree(tp2_pp2, exported):
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(tp2_pp2),
+                           "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu"],
+                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 0, proc.stderr
+    tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    model = transformers.LlamaForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()
+    ids = tok(PROMPT, return_tensors="pt").input_ids
+    assert ids[0, 0] != tok.bos_token_id  # trained without a leading bos, as generate.py encodes
+    out = model.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=12)
+    text = tok.decode(out[0], skip_special_tokens=True)
+    assert out.shape[1] > ids.shape[1], "an empty continuation would make the comparison vacuous"
+    assert proc.stdout.rstrip("\n") == text
+
+
+def test_exported_tokenizer_encodes_and_decodes_as_sentencepiece_does(exported):
+    """transformers' tokenizer of the export gives our sentencepiece ids for corpus text, text that starts with
+    spaces, whitespace runs and characters outside the vocabulary (byte fallback), and decodes them back alike."""
+    import gzip
+
+    import sentencepiece as spm
+
+    sp = spm.SentencePieceProcessor(model_file=str(ROOT / "data" / "sample" / "tokenizer.model"))
+    tok = transformers.AutoTokenizer.from_pretrained(str(exported))
+    with gzip.open(ROOT / "data" / "sample" / "corpus.jsonl.gz", "rt") as f:
+        corpus = [json.loads(line)["text"][:300] for _, line in zip(range(100), f)]
+    texts = corpus + [" " + t for t in corpus[:20]] + [
+        " leading", "  two leading", " ", "", "trailing ", "a  b\t\tc\n\nd", "Tiếng Việt, 中文, emoji 🙂"]
+    for text in texts:
+        ids = sp.encode(text)
+        assert tok(text, add_special_tokens=False)["input_ids"] == ids, repr(text)
+        assert tok.decode(ids) == sp.decode(ids), repr(text)
+
+
+@pytest.mark.parametrize("world,overrides", [
+    (2, ["zero.stage=3", "model.tie_embeddings=true", "model.bias=true", "model.norm_eps=1e-6",
+         "model.rope_theta=500000", "model.max_seq_len=64"]),
+    (2, ["precision=fp8", "parallel.tp=2", "parallel.sequence_parallel=true", "zero.stage=1",
+         "zero.partition=whole_tensor"]),
+], ids=["zero3_dp2_tied_bias_eps_theta", "fp8_tp2_sp_zero1"])
+def test_other_layouts_and_settings_export(tmp_path, world, overrides):
+    step_dir = train(tmp_path / "ckpt", world, overrides, steps=1)
+    out = tmp_path / "hf"
+    assert export("--checkpoint", step_dir, "--output", out) == 0
+    config = json.loads((out / "config.json").read_text())
+    tied = "model.tie_embeddings=true" in overrides
+    assert config["tie_word_embeddings"] is tied and config["attention_bias"] is ("model.bias=true" in overrides)
+    from safetensors import safe_open
+    with safe_open(str(out / "model.safetensors"), "pt") as f:
+        assert ("lm_head.weight" in f.keys()) is not tied
+    tokens = random_tokens(TOKENIZER_VOCAB, seed=2)
+    assert_close(our_logits(step_dir, tokens), hf_logits(out, tokens))
+
+
+def test_grouped_query_attention_model_exports(tmp_path):
+    """Trained at tp4 with 2 KV heads, so each KV head is replicated on 2 TP ranks and saved once."""
+    step_dir = train(tmp_path / "ckpt", 4, ["parallel.tp=4", "model.n_heads=8", "model.n_kv_heads=2"], steps=1)
+    out = tmp_path / "hf"
+    assert export("--checkpoint", step_dir, "--output", out) == 0
+    config = transformers.AutoConfig.from_pretrained(str(out))
+    assert (config.num_attention_heads, config.num_key_value_heads, config.head_dim) == (8, 2, 8)
+    tokens = random_tokens(TOKENIZER_VOCAB, seed=3)
+    assert_close(our_logits(step_dir, tokens), hf_logits(out, tokens))
+
+
+def test_what_llama_cannot_express_is_refused_by_name(tmp_path, capsys):
+    step_dir = train(tmp_path / "ckpt", 1, ["model.activation=gelu", "model.norm=layernorm"], steps=0)
+    assert export("--checkpoint", step_dir, "--output", tmp_path / "hf") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: cannot export")
+    assert "model.activation=gelu" in err and "model.norm=layernorm" in err
+    assert not (tmp_path / "hf").exists()
+
+
+def test_bad_inputs_are_one_line_errors(tp2_pp2, exported, tmp_path, capsys):
+    def error(*args) -> str:
+        assert export(*args) == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        return err
+
+    assert "does not exist" in error("--checkpoint", tmp_path / "nowhere", "--output", tmp_path / "o1")
+    (tmp_path / "empty").mkdir()
+    assert "no checkpoint in" in error("--checkpoint", tmp_path / "empty", "--output", tmp_path / "o2")
+    before = (exported / "model.safetensors").read_bytes()
+    assert "not empty (pass --force" in error("--checkpoint", tp2_pp2, "--output", exported)
+    assert (exported / "model.safetensors").read_bytes() == before
+    assert "--max-shard-size" in error("--checkpoint", tp2_pp2, "--output", tmp_path / "o3", "--max-shard-size", "big")
+    broken = tmp_path / "broken" / tp2_pp2.name
+    shutil.copytree(tp2_pp2, broken)
+    victim = sorted(broken.glob("*.distcp"))[0]
+    data = bytearray(victim.read_bytes())
+    data[len(data) // 2] ^= 0xFF
+    victim.write_bytes(bytes(data))
+    err = error("--checkpoint", broken, "--output", tmp_path / "o4")
+    assert victim.name in err and "corrupted" in err
+    assert not (tmp_path / "o4").exists()
+
+
+def test_command_line(tp2_pp2, tmp_path):
+    """As a script, from another directory: exit code 2 and one line on stderr, no traceback."""
+    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "export_hf.py"), "--checkpoint",
+                           str(tmp_path / "missing"), "--output", str(tmp_path / "out")], cwd=tmp_path,
+                          capture_output=True, text=True, timeout=120)
+    assert proc.returncode == 2 and proc.stderr.strip() == f"error: checkpoint {tmp_path / 'missing'} does not exist"
