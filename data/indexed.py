@@ -345,8 +345,9 @@ class IndexedDataset:
             self.sizes = self.sequence_lengths
             self.offsets = starts
         else:
-            self.offsets = np.append(starts, self.total_tokens)[doc_idx[:-1]]
-            self.sizes = np.diff(np.append(starts, self.total_tokens)[doc_idx])
+            bounds = np.append(starts, self.total_tokens)[doc_idx]  # token offset of each document boundary
+            self.offsets = bounds[:-1]
+            self.sizes = np.diff(bounds)
 
     def _check_index(self, idx_path: str) -> None:
         """Check that sizes are non-negative, sum to total_tokens and match offsets."""
@@ -374,8 +375,9 @@ class IndexedDataset:
         for i in range(0, len(self.tokens), chunk):
             block = self.tokens[i : i + chunk]
             if self.format == "megatron":
-                if floating and not np.all(np.isfinite(block) & (block == np.floor(block))):
-                    bad = i + int(np.argmax(~(np.isfinite(block) & (block == np.floor(block)))))
+                whole = np.isfinite(block) & (block == np.floor(block)) if floating else None
+                if floating and not whole.all():
+                    bad = i + int(np.argmax(~whole))
                     raise DataError(
                         f"{self.prefix}.bin: token {bad} is {block[bad - i].item()}, not a whole-number id"
                     )
