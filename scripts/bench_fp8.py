@@ -6,7 +6,8 @@
 Each row runs ``train.py --config configs/<preset>.yaml precision=...`` on one device (the preset's
 model and optimiser, the bundled sample corpus, ``--accum`` micro-batches of ``--micro-batch``
 sequences a step) and reads the trainer's own metrics records after ``--warmup`` steps: tokens/s,
-model TFLOP/s per device (6N + attention FLOPs a token, ``model/flops.py``) and MFU. MFU is printed against the bf16 dense peak for both precisions
+model TFLOP/s per device (6N + attention FLOPs a token, ``model/flops.py``) and MFU. MFU is printed
+against the bf16 dense peak for both precisions
 (comparable: how much of the machine the same model uses), and the trainer's own figure for fp8 is against
 the FP8 dense peak. Needs a CUDA device with FP8 (compute capability >= 8.9) for the fp8 rows; on other
 devices they fail with the trainer's error, which the table shows.
