@@ -105,7 +105,7 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
     model = {k: getattr(m, k) for k in MODEL_KEYS}  # what train.py records
     meta = {"format": FORMAT_VERSION, "step": 0, "consumed_samples": 0, "skipped_steps": 0, "config": config,
             "model": model, "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1},
-            "data": None, "fp8": None, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}
+            "data": None, "fp8": None, "weights_only": True, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}
     (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
     extras = ("manifest.json", "model.yaml", "tokenizer.model")  # next to the checkpoint, not part of it
     files = {p.name: file_digest(p) for p in sorted(out.iterdir()) if p.is_file() and p.name not in extras}

@@ -137,9 +137,13 @@ def test_import_then_train_at_tp2_first_loss_is_llamas(imported, tmp_path):
     train_from_import(model, ckpt, tmp_path / "run", 2, ["parallel.tp=2", "parallel.sequence_parallel=true"])
 
 
-def test_import_then_train_at_pp2_first_loss_is_llamas(imported, tmp_path):
+def test_import_named_by_checkpoint_load_trains_at_pp2_from_llamas_weights(imported, tmp_path):
+    """checkpoint.load naming an import (weights only, nothing to resume) starts at step 0 from its weights with a
+    fresh optimizer, like checkpoint.init_from."""
     model, ckpt = imported
-    train_from_import(model, ckpt, tmp_path / "run", 2, ["parallel.pp=2"])
+    out = train_from_import(model, ckpt, tmp_path / "run", 2,
+                            ["parallel.pp=2", "checkpoint.init_from=null", f"checkpoint.load={ckpt}"])
+    assert f"model weights from {ckpt} (checkpoint.load, imported from" in out["stdout"]
 
 
 def test_import_then_train_with_zero3_dp2_first_loss_is_llamas(imported, tmp_path):

@@ -358,16 +358,16 @@ class Checkpointer:
         return [f"model.{'n_kv_heads' if k == 'kv_heads' else k}: checkpoint {saved[k]!r} vs config "
                 f"{getattr(model, k)!r}" for k in MODEL_KEYS if k in saved and saved[k] != getattr(model, k)]
 
-    def load_weights(self, path: Path) -> Dict[str, Any]:
+    def load_weights(self, path: Path, key: str = "checkpoint.init_from") -> Dict[str, Any]:
         """``checkpoint.init_from``: only the model weights of a verified checkpoint (any layout, e.g. an imported
         Hugging Face model), into this engine (any layout); optimizer, step, loss scale, FP8 scaling state and
         RNG stay fresh. The model settings the checkpoint records must equal the run's: those every checkpoint
         has, plus the normalisation epsilon, rotary base and key/value heads where it records them (imports do).
         Returns its meta."""
-        meta = self._read_meta(path, f"checkpoint.init_from={path}")
+        meta = self._read_meta(path, f"{key}={path}")
         mismatched = self._model_mismatch(meta)
         if mismatched:
-            raise CheckpointError(f"checkpoint.init_from={path} holds a different model ({', '.join(mismatched)}); "
+            raise CheckpointError(f"{key}={path} holds a different model ({', '.join(mismatched)}); "
                                   "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
         tensors = self._tensors(for_load=True, with_optimizer=False, fp8=False)
         dcp.load(tensors, checkpoint_id=str(path))

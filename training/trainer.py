@@ -11,6 +11,7 @@ run restores the number and so sees exactly the tokens it would have seen.
 """
 from __future__ import annotations
 
+import json
 import os
 import time
 from datetime import datetime
@@ -112,33 +113,43 @@ def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path]
     start = None
     if cfg.checkpoint.load:
         start = Path(cfg.checkpoint.load)
+        if _weights_only(start):  # e.g. scripts/import_hf.py's output: nothing to resume but its weights
+            _init_from(cfg, ckpt, mesh, start, "checkpoint.load")
+            return None, 0
     elif cfg.checkpoint.resume:
         start = ckpt.find_resumable()
     if start is None:
         if cfg.checkpoint.init_from:
-            _init_from(cfg, ckpt, mesh)
+            _init_from(cfg, ckpt, mesh, Path(cfg.checkpoint.init_from), "checkpoint.init_from")
         return None, 0
     meta = ckpt.load(start)
     _check_same_data(meta, ckpt.data_fingerprint, cfg, start, mesh)
     return start, meta["consumed_samples"]
 
 
-def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> None:
-    """A fresh run starts from the weights of checkpoint.init_from: a checkpoint, or the newest valid one under a
-    checkpoint root or run directory."""
-    given = Path(cfg.checkpoint.init_from)
+def _weights_only(path: Path) -> bool:
+    """Whether a checkpoint holds model weights and nothing to resume (its meta.json says ``weights_only``)."""
+    try:
+        return bool(json.loads((path / "meta.json").read_text()).get("weights_only"))
+    except (OSError, ValueError, AttributeError):
+        return False  # not readable here: Checkpointer.load names what is wrong with it
+
+
+def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh, given: Path, key: str) -> None:
+    """A fresh run starts from the weights of a checkpoint (``key`` is the setting that names it), or of the newest
+    valid one under a checkpoint root or run directory."""
     path: Optional[Path] = given
     if not given.exists():
-        raise CheckpointError(f"checkpoint.init_from={given} does not exist")
+        raise CheckpointError(f"{key}={given} does not exist")
     if not (given / "meta.json").is_file():
         path = Checkpointer(cfg, str(checkpoint_root(given)), ckpt.engine).find_resumable(quarantine=False)
         if path is None:
-            raise CheckpointError(f"checkpoint.init_from={given} holds no checkpoint (expected meta.json, step_*/ or "
+            raise CheckpointError(f"{key}={given} holds no checkpoint (expected meta.json, step_*/ or "
                                   "checkpoints/step_*/ there)")
-    meta = ckpt.load_weights(path)
+    meta = ckpt.load_weights(path, key)
     if mesh.rank == 0:
         source = f", imported from {meta['imported_from']}" if meta.get("imported_from") else ""
-        print(f"[train] model weights from {path} (checkpoint.init_from{source}; step {meta.get('step')} there); "
+        print(f"[train] model weights from {path} ({key}{source}; step {meta.get('step')} there); "
               "fresh optimizer, step 0", flush=True)
 
 
