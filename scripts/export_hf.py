@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import re
 import shutil
 import sys
@@ -108,7 +109,13 @@ def shard(tensors: Dict[str, torch.Tensor], max_bytes: int) -> List[Dict[str, to
 
 def write_weights(tensors: Dict[str, torch.Tensor], out: Path, max_bytes: int) -> List[str]:
     """model.safetensors, or shards plus model.safetensors.index.json (transformers' layout); the file names."""
-    from safetensors.torch import save_file
+    from safetensors.torch import save_file as save_private
+
+    def save_file(group: Dict[str, torch.Tensor], path: str, metadata: Dict[str, str]) -> None:
+        save_private(group, path, metadata=metadata)
+        umask = os.umask(0)
+        os.umask(umask)
+        os.chmod(path, 0o666 & ~umask)  # safetensors creates its files 0600: readable as the other files are
 
     groups = shard(tensors, max_bytes)
     if len(groups) == 1:

@@ -122,6 +122,8 @@ def test_large_models_are_sharded_with_an_index(tp2_pp2, exported, tmp_path):
     for s in shards:  # within the limit (plus the file's header), unless one tensor alone is larger
         names = [k for k, v in index["weight_map"].items() if v == s]
         assert (out / s).stat().st_size - _safetensors_header(out / s) <= 400_000 or len(names) == 1, s
+        # readable as the config is (safetensors itself creates its files 0600, unreadable on a shared cluster)
+        assert (out / s).stat().st_mode & 0o777 == (out / "config.json").stat().st_mode & 0o777, s
     assert index["metadata"]["total_size"] == (exported / "model.safetensors").stat().st_size - \
         _safetensors_header(exported / "model.safetensors")
     tokens = random_tokens(TOKENIZER_VOCAB, seed=1)
