@@ -16,6 +16,7 @@ from parallel.layout import make_layout
 from tests.dist_harness import run_world
 from tests.parallel_utils import assert_grads_match, checkpoint_worker, tiny_config, train_worker
 from tests.test_comm_volume import assert_counted_equals_analytic
+from tests.test_layouts import reference
 from training.config import ConfigError, validate_config
 
 STEPS = 4
@@ -115,20 +116,12 @@ LAYOUTS = {
     # ZeRO-3 shards the replicated pieces like any parameter
     "tp4_kv2_zero3_dp2": (8, GQA + ["parallel.tp=4", "zero.stage=3"]),
 }
-_references = {}
-
-
-def _reference(overrides):
-    model = tuple(o for o in overrides if o.startswith("model."))
-    if model not in _references:
-        _references[model] = run_world(train_worker, 1, list(model), STEPS)[0]
-    return _references[model]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_gqa_layout_matches_single_process(name):
     world, overrides = LAYOUTS[name]
-    ref = _reference(overrides)
+    ref = reference(overrides, STEPS, ("model.",))  # cached per model
     out = run_world(train_worker, world, overrides, STEPS)
     torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=RTOL, atol=0)
     torch.testing.assert_close(torch.tensor(out[0]["grad_norms"]), torch.tensor(ref["grad_norms"]),

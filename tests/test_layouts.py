@@ -26,12 +26,13 @@ MODEL_KEYS = ("model.n_layers", "model.tie_embeddings", "model.activation", "mod
 _references = {}
 
 
-def reference(overrides):
-    """Single-process run of the same model (layout keys removed), cached per model shape."""
-    model = tuple(o for o in overrides if o.startswith(MODEL_KEYS))
-    if model not in _references:
-        _references[model] = run_world(train_worker, 1, list(model), STEPS)[0]
-    return _references[model]
+def reference(overrides, steps=STEPS, keys=MODEL_KEYS):
+    """Single-process run of the same model (only the overrides starting with ``keys`` kept), cached per model
+    shape and step count."""
+    model = tuple(o for o in overrides if o.startswith(keys))
+    if (model, steps) not in _references:
+        _references[model, steps] = run_world(train_worker, 1, list(model), steps)[0]
+    return _references[model, steps]
 
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
