@@ -24,6 +24,9 @@ operation, the group and, where it can be known, the rank that did not arrive: t
 of a p2p transfer; for a collective that timed out, the members that did not report
 reaching the same collective (each member counts its collectives per group and, on a
 timeout, checks in with the launcher's key-value store for ``ABSENT_GRACE_S`` seconds).
+A member whose connection was closed by a peer is treated the same way: gloo closes a
+rank's connections when *it* times out, so the members that entered the collective a
+little later see "connection closed" before their own timeout, and still learn who was absent.
 """
 from __future__ import annotations
 
@@ -101,6 +104,10 @@ def _reason(e: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text) or e.__class__.__name__
 
 
+_STALLED = re.compile(r"timed out|connection (closed|reset) by peer", re.IGNORECASE)
+"""Failures that mean a member of a collective is missing: this rank's timeout, or a peer that timed out first."""
+
+
 def _absent(group: Group, seq: int) -> Optional[List[int]]:
     """Members that did not report reaching collective ``seq`` of ``group`` (via the store), or None if unknown."""
     try:
@@ -124,7 +131,7 @@ def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: 
     what = f"{kind} on group {group.name} (ranks {group.ranks})"
     if peer is not None:
         who = f"; peer rank {group.ranks[peer]}"
-    elif seq is not None and "timed out" in reason.lower():
+    elif seq is not None and _STALLED.search(reason):
         absent = _absent(group, seq)
         who = (f"; rank(s) {absent} did not arrive (collective #{seq} of this group)" if absent
                else f"; every member reached it (collective #{seq})" if absent == [] else "")

@@ -328,8 +328,10 @@ def stuck_rank_worker(stuck: int, op: str):
 
     comm.ABSENT_GRACE_S = 3.0
     rank, world = dist.get_rank(), dist.get_world_size()
-    group = comm.Group(name="dp", pg=dist.group.WORLD, ranks=list(range(world)), rank=rank, link="intra",
-                       ledger=comm.Ledger())
+    pg = dist.group.WORLD
+    if op == "peer_times_out_first":  # rank 1 gives up long before rank 0 would: rank 0 sees its connection close
+        pg = dist.new_group(list(range(world)), timeout=timedelta(seconds=1 if rank == 1 else 30))
+    group = comm.Group(name="dp", pg=pg, ranks=list(range(world)), rank=rank, link="intra", ledger=comm.Ledger())
     comm.all_reduce(torch.ones(2), group)  # one collective that everybody reaches
     # No rank may leave before every waiting rank has its own error: a process that exits closes its gloo
     # connections, and a rank still inside the collective would then fail with "connection closed by peer"
@@ -340,7 +342,7 @@ def stuck_rank_worker(stuck: int, op: str):
         store.wait([f"stuck_test/done/{r}" for r in waiting], timedelta(seconds=90))
         return None
     try:
-        if op == "all_reduce":
+        if op in ("all_reduce", "peer_times_out_first"):
             comm.all_reduce(torch.ones(2), group)
         elif op == "all_reduce_async":
             comm.all_reduce(torch.ones(2), group, async_op=True).wait()
@@ -359,11 +361,27 @@ def test_collective_timeout_names_the_operation_and_the_absent_rank(op):
     from tests.dist_harness import run_world
 
     out = run_world(stuck_rank_worker, 3, 2, op, collective_timeout=2, timeout=120)
-    for rank in (0, 1) if op != "p2p" else (0,):
+    waiting = (0, 1) if op != "p2p" else (0,)
+    # the first waiting rank to time out closes its gloo connections, so a rank that entered the collective a
+    # moment later may fail with "connection closed by peer" first: it must still name the absent rank
+    assert any("timed out" in out[rank].lower() for rank in waiting), out
+    for rank in waiting:
         msg = out[rank]
-        assert "timed out" in msg.lower() and f"failed on rank {rank}" in msg, msg
+        assert f"failed on rank {rank}" in msg, msg
         if op == "p2p":
             assert msg.startswith("p2p recv on group dp (ranks [0, 1, 2])") and "peer rank 2" in msg
         else:
             assert msg.startswith("all_reduce on group dp (ranks [0, 1, 2])")
             assert "rank(s) [2] did not arrive (collective #1 of this group)" in msg, msg
+
+
+def test_a_rank_whose_peer_timed_out_first_still_names_the_absent_rank():
+    """Rank 1 (1 s timeout) gives up on the stuck rank 2 first and gloo closes its connections; rank 0 (30 s) then
+    fails with "connection closed by peer" long before its own timeout, and must still name rank 2."""
+    from tests.dist_harness import run_world
+
+    out = run_world(stuck_rank_worker, 3, 2, "peer_times_out_first", collective_timeout=60, timeout=120)
+    assert "timed out" in out[1].lower() and "rank(s) [2] did not arrive" in out[1], out[1]
+    assert "connection closed by peer" in out[0].lower(), out[0]
+    assert out[0].startswith("all_reduce on group dp (ranks [0, 1, 2]) failed on rank 0")
+    assert "rank(s) [2] did not arrive (collective #1 of this group)" in out[0], out[0]
