@@ -19,7 +19,8 @@ import io
 import json
 import os
 from collections.abc import Iterable, Iterator
-from typing import TextIO
+from pathlib import Path
+from typing import Optional, TextIO
 
 import sentencepiece as spm
 
@@ -150,6 +151,16 @@ def train_tokenizer(
     with open(path, "wb") as f:
         f.write(model.getvalue())
     return path
+
+
+def find_model_file(name: str, override: Optional[str] = None) -> Optional[Path]:
+    """The sentencepiece model a script should use: ``override`` (e.g. ``--tokenizer``) if given, else a
+    checkpoint's ``data.tokenizer`` as written or relative to the repository root; None if it is not a file."""
+    repo = Path(__file__).resolve().parents[1]
+    for candidate in ([Path(override)] if override else [Path(name), repo / name]):
+        if candidate.is_file():
+            return candidate
+    return None
 
 
 class Tokenizer:

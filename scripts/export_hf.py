@@ -135,9 +135,10 @@ def write_weights(tensors: Dict[str, torch.Tensor], out: Path, max_bytes: int) -
 
 def resolve_tokenizer(name: str, override: str | None) -> Path:
     """The sentencepiece model: --tokenizer, or the checkpoint's data.tokenizer (as given, or under the repo)."""
-    for candidate in ([Path(override)] if override else [Path(name), ROOT / name]):
-        if candidate.is_file():
-            return candidate
+    from data.tokenizer import find_model_file
+    found = find_model_file(name, override)
+    if found is not None:
+        return found
     raise HFError(f"tokenizer {override or name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
 
 

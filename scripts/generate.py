@@ -48,9 +48,10 @@ def build_config(meta: dict, device: str):
 
 
 def resolve_tokenizer(name: str, override: str | None) -> Path:
-    for candidate in ([Path(override)] if override else [Path(name), ROOT / name]):
-        if candidate.is_file():
-            return candidate
+    from data.tokenizer import find_model_file
+    found = find_model_file(name, override)
+    if found is not None:
+        return found
     raise SystemExit(f"error: tokenizer {override or name} not found (the checkpoint's data.tokenizer; "
                      "pass --tokenizer PATH)")
 
