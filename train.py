@@ -23,7 +23,7 @@ def main(argv=None) -> int:
 
 
 def _main(argv, stop) -> int:
-    from training.config import ConfigError, describe, load_config
+    from config import ConfigError, describe, load_config
 
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter,
                                      add_help=False)
@@ -61,7 +61,7 @@ def check_config_file(path: str) -> None:
     """The --config file must be a readable UTF-8 YAML mapping; anything else is one ConfigError naming it."""
     import yaml
 
-    from training.config import ConfigError
+    from config import ConfigError
 
     if os.path.isdir(path):
         raise ConfigError(f"--config {path} is a directory, not a YAML file")

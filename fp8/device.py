@@ -12,7 +12,7 @@ import importlib.util
 
 import torch
 
-from training.config import ConfigError, Fp8Config
+from config import ConfigError, Fp8Config
 
 MIN_CAPABILITY = (8, 9)
 

@@ -54,10 +54,10 @@ from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from config import Fp8Config
 from fp8.format import E4M3, FORMATS, amax, quantize, scale_from_amax
 from parallel import comm
 from parallel.comm import Group
-from training.config import Fp8Config
 
 ROLES = ("input", "weight", "grad")
 FIELDS = ("scale", "amax_history", "pending", "initialized")

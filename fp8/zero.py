@@ -49,17 +49,17 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import AutoScale, all_reduce_fp8, cast_gradient, reduce_scatter_fp8
 from parallel import comm
 from parallel.mesh import Mesh
+from parallel.optim_rules import grad_factor, owns_gradient, weight_decay_exempt
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import shard_layout
 from parallel.zero.sharded import Working, ZeroDataParallel
 from parallel.zero.units import UnitSpec
-from training.config import Config
-from training.optim import grad_factor, owns_gradient, weight_decay_exempt
 
 MASTER_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 from typing import Dict
 
-from training.config import ModelConfig
+from config import ModelConfig
 
 
 def _qkv_features(cfg: ModelConfig) -> int:

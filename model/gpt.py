@@ -17,11 +17,11 @@ import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from config import ModelConfig
 from model.init import init_parameters
 from model.layers import Block, Norm, TPContext
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
-from training.config import ModelConfig
 
 EMBEDDING = "embedding.weight"
 

@@ -28,7 +28,7 @@ from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from training.config import ModelConfig
+from config import ModelConfig
 
 HF_ROPE_KEYS = ("rope_parameters", "rope_scaling")
 

@@ -19,7 +19,7 @@ from parallel.comm import Group
 from parallel.random import RNGTracker
 from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, RowParallelLinear, new_param,
                                       scaled_init_std)
-from training.config import Fp8Config, ModelConfig
+from config import Fp8Config, ModelConfig
 
 
 @dataclass

@@ -25,12 +25,12 @@ import torch
 from torch import nn
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
+from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.comm import Group
-from model.gpt import EMBEDDING
 from parallel.mesh import Mesh
+from parallel.optim_rules import build_optimizer, unscale_and_clip
 from parallel.zero.dcp_view import shard_view
-from training.optim import build_optimizer, unscale_and_clip
 
 
 class GradBuckets:

@@ -14,7 +14,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 from typing import List, Tuple
 
-from training.config import Config, ConfigError
+from config import Config, ConfigError
 
 
 @dataclass(frozen=True)

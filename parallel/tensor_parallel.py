@@ -27,11 +27,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from config import Fp8Config
 from fp8.linear import fp8_linear
 from fp8.scaling import Fp8States
 from parallel import comm
 from parallel.comm import Group
-from training.config import Fp8Config
 
 
 @dataclass

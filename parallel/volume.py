@@ -30,10 +30,10 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict
 
+from config import Config
 from model.flops import parameter_count
 from parallel.layout import Layout, kv_replicas
 from parallel.schedule import sends, train_schedule
-from training.config import Config
 
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of the compute dtype (fp8: activations are bf16 outside the FP8 GEMMs)."""

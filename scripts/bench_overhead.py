@@ -26,16 +26,15 @@ sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
 import torch  # noqa: E402
 
+from config import load_config  # noqa: E402
 from data.gpt_dataset import build_datasets, get_batch  # noqa: E402
 from model.flops import flops_per_token  # noqa: E402
 from model.gpt import build_chunks  # noqa: E402
 from model.layers import TPContext  # noqa: E402
 from parallel.comm import Group, Ledger  # noqa: E402
+from parallel.optim_rules import COMPUTE_DTYPES, build_optimizer  # noqa: E402
 from parallel.random import RNGTracker  # noqa: E402
-from training.config import load_config  # noqa: E402
-from training.engine import COMPUTE_DTYPES  # noqa: E402
 from training.metrics import peak_tflops  # noqa: E402
-from training.optim import build_optimizer  # noqa: E402
 from training.trainer import run  # noqa: E402
 
 SMALL = ["model.n_layers=4", "model.d_model=512", "model.n_heads=8", "model.seq_len=256",

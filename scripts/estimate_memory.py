@@ -16,9 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
+from config import ConfigError, load_config, validate_config  # noqa: E402
 from parallel.layout import make_layout  # noqa: E402
 from parallel.zero.units import meta_chunks  # noqa: E402
-from training.config import ConfigError, load_config, validate_config  # noqa: E402
 from training.memory import COMPONENTS, activation_bytes, model_state_bytes  # noqa: E402
 
 

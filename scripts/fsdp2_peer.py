@@ -1,10 +1,10 @@
 """The same GPT trained by torch's FSDP2 (``fully_shard``), for benchmarks against this repository's ZeRO.
 
 Launched exactly like ``train.py`` (``torchrun ... scripts/fsdp2_peer.py [--mesh full|hybrid] key=value ...``)
-and configured by the same config keys (``training.config``): the model is built by
+and configured by the same config keys (``config``): the model is built by
 ``model.gpt.build_chunks`` (tp 1, pp 1), the batches are the trainer's (the configured data, each DP rank
 its ``global_batch_size / world`` slice of every global batch), the optimizer is the trainer's AdamW
-(``training.optim.build_optimizer``) with its warm-up + cosine learning rate and ``train.grad_clip``.
+(``parallel.optim_rules.build_optimizer``) with its warm-up + cosine learning rate and ``train.grad_clip``.
 
 * ``--placement auto`` (default) shards each parameter on its first dimension the shard count divides;
   FSDP2's own default (``--placement dim0``) pads dim 0 to a multiple of it, which for this model's fused
@@ -117,13 +117,14 @@ def main(argv=None) -> int:
     from torch.distributed.tensor import Shard
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
+    from config import load_config, validate_config
     from data.gpt_dataset import get_batch
     from model.gpt import build_chunks
     from model.layers import TPContext
     from parallel.comm import Group, Ledger
+    from parallel.optim_rules import build_optimizer
     from parallel.random import RNGTracker
-    from training.config import load_config, validate_config
-    from training.optim import LRSchedule, build_optimizer
+    from training.optim import LRSchedule
     from training.trainer import check_data
 
     cfg = load_config(None, args.overrides)

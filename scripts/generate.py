@@ -39,7 +39,7 @@ def find_meta(path: Path) -> Path:
 
 
 def build_config(meta: dict, device: str):
-    from training.config import Config, validate_config
+    from config import Config, validate_config
     overrides = SINGLE_PROCESS + [f"device={device}"] + (["precision=fp32"] if device == "cpu" else [])
     merged = OmegaConf.merge(OmegaConf.structured(Config), meta["config"], OmegaConf.from_dotlist(overrides))
     cfg = OmegaConf.to_object(merged)
@@ -136,9 +136,9 @@ def main(argv=None) -> int:
 
 
 def cli() -> int:
+    from config import ConfigError
     from data.indexed import DataError
     from training.checkpoint import CheckpointError
-    from training.config import ConfigError
     try:
         return main()
     except (ConfigError, DataError, CheckpointError) as e:

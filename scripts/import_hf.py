@@ -33,9 +33,9 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 import torch  # noqa: E402
 import yaml  # noqa: E402
 
+from config import Config, to_dict  # noqa: E402
 from model.hf import HFError, from_hf, model_config, model_settings  # noqa: E402
 from training.checkpoint import FORMAT_VERSION, MODEL_KEYS, file_digest  # noqa: E402
-from training.config import Config, to_dict  # noqa: E402
 
 
 def read_config(model_dir: Path) -> Dict[str, Any]:

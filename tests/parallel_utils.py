@@ -6,9 +6,9 @@ from typing import Dict, List
 import torch
 import torch.distributed as dist
 
+from config import Config, load_config
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
-from training.config import Config, load_config
 from training.engine import Engine
 
 BASE = ["model.n_layers=4", "model.d_model=64", "model.n_heads=4", "model.seq_len=32", "model.vocab_size=128",

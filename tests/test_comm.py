@@ -127,9 +127,9 @@ def _collectives(group, ledger) -> Dict[str, tuple]:
 def comm_worker() -> dict:
     import torch.distributed as dist
 
+    from config import load_config
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
-    from training.config import load_config
 
     cfg = load_config(None, ["parallel.tp=2", "parallel.ranks_per_node=2", "model.n_layers=2", "model.d_model=32",
                              "model.n_heads=4", "model.vocab_size=64", "model.ffn_hidden=64",

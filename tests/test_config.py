@@ -1,4 +1,4 @@
-"""Tests for training/config.py: defaults, precedence, rejection of bad input, validation, --help text."""
+"""Tests for config.py: defaults, precedence, rejection of bad input, validation, --help text."""
 
 from __future__ import annotations
 
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
-from training.config import Config, ConfigError, describe, load_config, validate_config
+from config import Config, ConfigError, describe, load_config, validate_config
 
 
 def _leaf_keys(obj, prefix: str = "") -> list[str]:

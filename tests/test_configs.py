@@ -14,10 +14,10 @@ from pathlib import Path
 import pytest
 from omegaconf import OmegaConf
 
+from config import Config, load_config, to_dict, validate_config
 from data.tokenizer import Tokenizer
 from model.flops import parameter_count
 from parallel.layout import make_layout
-from training.config import Config, load_config, to_dict, validate_config
 
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))

@@ -149,8 +149,8 @@ def test_mu_halves_while_the_reduced_gradient_overflows():
 
 
 def test_fp8_refuses_gpus_without_fp8_by_capability(monkeypatch):
+    from config import ConfigError, Fp8Config
     from fp8.device import check_fp8_device
-    from training.config import ConfigError, Fp8Config
 
     cuda = torch.device("cuda", 0)
     monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3 (renamed)")
@@ -168,8 +168,8 @@ def test_fp8_refuses_gpus_without_fp8_by_capability(monkeypatch):
 def test_transformer_engine_backend_is_refused_plainly():
     """fp8.backend=te is not implemented: the run stops at start-up naming the working backend, on CPU (TE
     cannot be installed there) and on an FP8 GPU alike."""
+    from config import ConfigError, Fp8Config
     from fp8.device import check_fp8_device
-    from training.config import ConfigError, Fp8Config
 
     with pytest.raises(ConfigError, match=r"fp8\.backend=te.*fp8\.backend=torch"):
         check_fp8_device(torch.device("cpu"), Fp8Config(backend="te"))

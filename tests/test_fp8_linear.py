@@ -65,7 +65,7 @@ def _hand_scale(v: torch.Tensor, dtype: torch.dtype) -> float:
 
 
 def _cfg(**kw):
-    from training.config import Fp8Config
+    from config import Fp8Config
 
     return Fp8Config(**kw)
 
@@ -249,12 +249,12 @@ def test_te_backend_is_refused_by_the_layers() -> None:
 def test_gpt_blocks_use_fp8_linears_and_train_close_to_bf16() -> None:
     """Wiring: attention qkv/proj and MLP up/down are FP8, embedding/norms (and the head unless asked) are not;
     an FP8 model's loss is within FP8 error of the same model without FP8, and its gradients are finite."""
+    from config import load_config
     from fp8.scaling import is_fp8_linear
     from model.gpt import GPTChunk
     from model.init import init_parameters
     from model.layers import TPContext
     from parallel.random import RNGTracker
-    from training.config import load_config
 
     mcfg = load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=16",
                               "model.vocab_size=64", "model.ffn_hidden=64"]).model
@@ -283,12 +283,12 @@ def test_gpt_blocks_use_fp8_linears_and_train_close_to_bf16() -> None:
 
 def test_activation_checkpointing_recomputes_the_same_fp8_casts() -> None:
     """Recomputation casts again with the same scales: gradients and scaling state bitwise as without it."""
+    from config import load_config
     from fp8.scaling import Fp8Scaling
     from model.gpt import GPTChunk
     from model.init import init_parameters
     from model.layers import TPContext
     from parallel.random import RNGTracker
-    from training.config import load_config
 
     seq = torch.randint(0, 64, (2, 17), generator=torch.Generator().manual_seed(3))
     for scaling in ("delayed", "current"):

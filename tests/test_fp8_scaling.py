@@ -21,7 +21,7 @@ E4M3_MAX, E5M2_MAX = 448.0, 57344.0
 
 
 def _cfg(**kw):
-    from training.config import Fp8Config
+    from config import Fp8Config
 
     return Fp8Config(**kw)
 
@@ -272,11 +272,11 @@ def test_load_state_dict_refuses_a_mismatch_with_a_clear_error() -> None:
 
 
 def test_gpt_fp8_linears_are_named_by_their_global_weight_names_in_any_pipeline_layout() -> None:
+    from config import load_config
     from fp8.scaling import Fp8Scaling
     from model.gpt import build_chunks, named_parameters
     from model.layers import TPContext
     from parallel.random import RNGTracker
-    from training.config import load_config
 
     mcfg = load_config(None, ["model.n_layers=4", "model.d_model=32", "model.n_heads=4", "model.seq_len=8",
                               "model.vocab_size=64", "model.ffn_hidden=64"]).model
@@ -418,10 +418,10 @@ def test_current_scaling_shares_one_scale_per_tp_group(scaling_world) -> None:
 def test_forward_without_autograd_leaves_delayed_amaxes_alone():
     """Validation (no_grad) through an FP8 linear after the JIT init records nothing for the next update:
     evaluating must not change the training run's scales."""
+    from config import Fp8Config
     from fp8.linear import fp8_linear
     from fp8.scaling import Fp8States
     from parallel.comm import Group, Ledger
-    from training.config import Fp8Config
 
     tp = Group(name="tp", pg=None, ranks=[0], rank=0, link="intra", ledger=Ledger())
     states = Fp8States(Fp8Config())

@@ -13,12 +13,12 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from config import load_config
 from data.tokenizer import Tokenizer
 from parallel.launch import LaunchEnv, init_distributed
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
 from training.checkpoint import Checkpointer
-from training.config import load_config
 from training.engine import Engine
 
 pytestmark = pytest.mark.slow

@@ -17,7 +17,7 @@ from tests.dist_harness import run_world
 from tests.parallel_utils import assert_grads_match, checkpoint_worker, tiny_config, train_worker
 from tests.test_comm_volume import assert_counted_equals_analytic
 from tests.test_layouts import reference
-from training.config import ConfigError, validate_config
+from config import ConfigError, validate_config
 
 STEPS = 4
 RTOL = 1e-5

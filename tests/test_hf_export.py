@@ -31,11 +31,11 @@ def our_logits(step_dir: Path, tokens: torch.Tensor, config_file: Path = None, o
     """Logits [b, s, V] of our single-process fp32 model holding a checkpoint's weights (the code under test).
 
     The config is the checkpoint's own (meta.json), or ``config_file`` (e.g. an import's model.yaml)."""
+    from config import load_config
     from parallel.launch import LaunchEnv, init_distributed
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
     from training.checkpoint import Checkpointer
-    from training.config import load_config
     from training.engine import Engine
 
     if config_file is None:

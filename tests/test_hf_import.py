@@ -68,8 +68,8 @@ def imported(tmp_path_factory):
 def train_worker(config_file: str, overrides):
     """train.py's run() on this world (the harness's process group); returns its console output and result,
     or the one-line error train.py would print."""
+    from config import load_config
     from training.checkpoint import CheckpointError
-    from training.config import load_config
     from training.trainer import run
 
     out = io.StringIO()
@@ -92,8 +92,8 @@ def first_loss(run_dir: Path) -> float:
 
 def reference_loss(model, config_file: Path) -> float:
     """LlamaForCausalLM's mean next-token loss on the run's first global batch (read by the trainer's data code)."""
+    from config import load_config
     from data.gpt_dataset import get_batch
-    from training.config import load_config
     from training.trainer import check_data
 
     train_ds, _ = check_data(load_config(str(config_file), RUN))
@@ -289,7 +289,7 @@ def test_bad_inputs_are_one_line_errors(imported, tmp_path, capsys):
 
 
 def test_init_from_and_load_exclude_each_other():
-    from training.config import ConfigError, load_config, validate_config
+    from config import ConfigError, load_config, validate_config
 
     with pytest.raises(ConfigError, match="checkpoint.init_from=a and checkpoint.load=b exclude each other"):
         validate_config(load_config(None, ["checkpoint.init_from=a", "checkpoint.load=b"]))

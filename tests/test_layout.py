@@ -6,8 +6,8 @@ import itertools
 
 import pytest
 
+from config import ConfigError, load_config
 from parallel.layout import make_layout
-from training.config import ConfigError, load_config
 
 BASE = ["model.n_layers=8", "model.n_heads=8", "model.d_model=128", "model.vocab_size=4096",
         "model.ffn_hidden=512", "model.seq_len=64", "train.micro_batch_size=1", "train.global_batch_size=32"]

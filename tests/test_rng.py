@@ -114,7 +114,7 @@ def test_state_dict_round_trip() -> None:
 # ---- recomputation through the model -----------------------------------------------------------------
 
 def _model_cfg(mode: str):
-    from training.config import load_config
+    from config import load_config
 
     return load_config(None, ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=8",
                               "model.vocab_size=64", "model.ffn_hidden=64", "model.dropout=0.3",

@@ -237,7 +237,7 @@ def test_sequence_parallel_traffic_is_counted_on_the_tp_group(layer_world) -> No
 # ---- initialisation ------------------------------------------------------------------------------------
 
 def _model_cfg(*overrides: str):
-    from training.config import load_config
+    from config import load_config
 
     base = ["model.n_layers=2", "model.d_model=32", "model.n_heads=4", "model.seq_len=8", "model.vocab_size=64",
             "model.ffn_hidden=64"]

@@ -162,8 +162,8 @@ def test_two_data_parallel_processes_match_one(tmp_path, launcher):
     got, _ = losses_by_step(dp_dir)
     assert_same_curve(got, ref, rtol=1e-5)
     # the ledger counts the bucketed gradient all-reduce: 2 (g-1)/g x 4 bytes x parameters, g = 2
+    from config import load_config
     from model.flops import parameter_count
-    from training.config import load_config
 
     n_params = parameter_count(load_config(None, common).model)["total"]
     rec = [r for r in records(dp_dir) if "loss" in r][-1]

@@ -12,9 +12,10 @@ from parallel.comm import Group, Ledger
 from parallel.random import RNGTracker
 from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, tiny_config, train_worker
-from training.config import LossScaleConfig, TrainConfig
+from config import LossScaleConfig, TrainConfig
+from parallel.optim_rules import build_optimizer, unscale_and_clip
 from training.metrics import peak_tflops
-from training.optim import LossScaler, LRSchedule, build_optimizer, unscale_and_clip
+from training.optim import LossScaler, LRSchedule
 
 
 def single_model(*overrides):

@@ -16,8 +16,9 @@ def fsdp2_worker(overrides, steps):
     from model.gpt import build_chunks
     from model.layers import TPContext
     from parallel.comm import Group, Ledger
+    from parallel.optim_rules import build_optimizer
     from parallel.random import RNGTracker
-    from training.optim import LRSchedule, build_optimizer
+    from training.optim import LRSchedule
 
     cfg = tiny_config(*overrides)
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -260,9 +260,9 @@ def test_cross_node_bytes_in_the_metrics_file_follow_the_paper(tmp_path):
 
 
 def assert_analytic_rank0(comm, args):
+    from config import load_config
     from parallel.layout import make_layout
     from parallel.volume import step_bytes
-    from training.config import load_config
 
     cfg = load_config(None, list(args))
     analytic = step_bytes(cfg, make_layout(cfg, 4, 2), 0)
@@ -306,8 +306,8 @@ def test_zeropp_checkpoints_resume_exactly_and_reshard_through_zero3(tmp_path):
 
 # -- bad combinations ------------------------------------------------------------------------------------
 def test_hpz_size_must_divide_the_dp_ranks_of_a_node():
+    from config import ConfigError
     from parallel.layout import make_layout
-    from training.config import ConfigError
 
     cfg = tiny_config("zero.stage=3", "zero.hpz_size=4", "parallel.ranks_per_node=2")
     with pytest.raises(ConfigError, match=r"zero.hpz_size=4 does not divide the 2 data-parallel ranks per node"):

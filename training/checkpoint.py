@@ -39,8 +39,8 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
+from config import Config, to_dict
 from parallel import comm
-from training.config import Config, to_dict
 from training.engine import Engine
 
 FORMAT_VERSION = 1

@@ -18,6 +18,7 @@ from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 
+from config import Config
 from fp8.device import check_fp8_device
 from fp8.scaling import Fp8Scaling
 from fp8.zero import Fp8DataParallel
@@ -27,11 +28,11 @@ from parallel import comm
 from parallel.data_parallel import DataParallel
 from parallel.layout import kv_replicas
 from parallel.mesh import Mesh
+from parallel.optim_rules import COMPUTE_DTYPES
 from parallel.pipeline import PipelineRunner
 from parallel.random import RNGTracker
 from parallel.zero.sharded import ZeroDataParallel
-from training.config import Config
-from training.optim import COMPUTE_DTYPES, LossScaler, LRSchedule
+from training.optim import LossScaler, LRSchedule
 
 MAX_CONSECUTIVE_SKIPS = 50
 BatchFn = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]

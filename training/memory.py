@@ -29,12 +29,12 @@ from __future__ import annotations
 
 from typing import Dict, List
 
+from config import Config
 from parallel.layout import Layout
 from parallel.schedule import train_schedule
 from parallel.volume import DTYPE_BYTES
 from parallel.zero.partition import shard_layout
 from parallel.zero.units import chunk_units, meta_chunks
-from training.config import Config
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "working_peak")
 

@@ -18,7 +18,7 @@ from typing import Any, Dict, Optional
 
 import torch
 
-from training.config import Config, to_dict
+from config import Config, to_dict
 
 # Dense peak TFLOP/s by (GPU, precision), from the vendors' data sheets (SXM parts; fp32 uses TF32 cores).
 PEAK_TFLOPS = {

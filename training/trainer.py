@@ -21,6 +21,7 @@ from typing import Any, Callable, Dict, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from config import Config, to_yaml, validate_config
 from data.gpt_dataset import Sampleable, build_datasets, get_batch
 from data.indexed import DataError, fingerprint
 from data.tokenizer import Tokenizer
@@ -30,7 +31,6 @@ from parallel.launch import init_distributed, pick_device, read_launch_env
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
-from training.config import Config, to_yaml, validate_config
 from training.engine import Engine
 from training.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
 from training.run_lock import RunLock, RunLockError

@@ -49,16 +49,16 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
+from config import Config
 from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.mesh import Mesh
+from parallel.optim_rules import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
 from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
 from parallel.zero.zeropp import ComparedReduce, QgzReduce, Quant, QuantizedGather, accumulate_error
-from training.config import Config
-from training.optim import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
 
 Ranges = List[Tuple[int, int]]
 

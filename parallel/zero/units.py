@@ -21,11 +21,11 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
+from config import Config
 from model.gpt import GPTChunk, chunk_layers
 from model.layers import TPContext
 from parallel.comm import Group, Ledger
 from parallel.layout import Layout, kv_replicas
-from training.config import Config
 
 
 @dataclass
