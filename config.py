@@ -7,6 +7,8 @@ omegaconf itself; ``validate`` then checks the numbers against each other and
 against the launch (world size, node size) before anything is built.
 
 Every field carries a docstring; ``python train.py --help`` prints them.
+
+The bottom layer: every package imports its settings from here, and this file imports nothing of the project.
 """
 from __future__ import annotations
 

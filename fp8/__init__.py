@@ -1,3 +1,19 @@
-"""FP8-LM mixed precision (SPEC §4, seed 001): formats and scaling, FP8 linear layers, FP8 gradient
-communication with the auto-scaling factor mu, the FP8 AdamW, and the data-parallel strategy that
-ties them to ZeRO's whole-tensor distribution."""
+"""FP8-LM mixed precision (SPEC §4, seed 001).
+
+Two layers live here. The numerics sit below model/ (beside the parallel primitives, whose comm they use for
+amax and gradient reductions; the TP linears call the FP8 GEMM):
+
+  format.py      E4M3 / E5M2, amax, scale from amax, scaled casts
+  scaling.py     delayed / current scaling state and amax histories, reduced over their groups
+  linear.py      the FP8 linear (torch._scaled_mm) with its autograd
+  grad_comm.py   FP8 gradient all-reduce / reduce-scatter with the auto-scaling factor mu
+  adam.py        AdamW with an FP8 first moment and FP16 second moment
+  device.py      the capability check (compute capability, never the device name)
+
+They import config.py and parallel/comm.py only. One strategy sits above model/, with the other data-parallel
+strategies:
+
+  zero.py        FP8-LM data parallelism for ZeRO 0-3: whole-tensor ownership, FP8 reduction, FP8 AdamW
+
+It may import everything below training/. Nothing here imports training/.
+"""

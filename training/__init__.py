@@ -1,0 +1,13 @@
+"""Training: the step, the loop and what persists between runs. Second layer from the top: it may import
+every package below (config.py, data/, kernels/, parallel/, fp8/, model/); only train.py and scripts/
+import it.
+
+  engine.py      one optimizer step: pipeline schedule, the data-parallel strategy, loss scaling
+  trainer.py     the loop: data, validation, logging, checkpoints, stop signals, divergence
+  checkpoint.py  torch.distributed.checkpoint, layout-independent, atomic, verified
+  optim.py       warm-up + cosine learning rate, dynamic loss scaling
+  memory.py      the per-rank memory estimate (model states by ZeRO stage, activations)
+  metrics.py     metrics.jsonl, console, wandb; MFU
+  run_lock.py    one trainer per run directory
+  stop.py        SIGTERM / SIGUSR1 turned into a clean stop at a step boundary
+"""
