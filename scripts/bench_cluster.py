@@ -1,10 +1,10 @@
 """An emulated multi-node cluster on one machine: ZeRO-3 / ZeRO++ / FSDP2 over a shaped inter-node link.
 
-Every "node" is a network namespace; the nodes are joined by veth links shaped with ``tc`` (rate and, where
-the kernel has ``sch_netem``, delay: ``--rate`` / ``--delay``). Two nodes share one veth pair; more hang off
-a bridge in a namespace of its own (a star: each node's link is shaped in both directions, the delay is
-applied once per direction, on the node's side). The namespaces have no link to the host's network: their
-only addresses are 10.77.0.<node+1>/24 and there is no route anywhere else, so nothing leaves the machine.
+Every "node" is a network namespace (scripts/netemu.py); the nodes are joined by veth links shaped with ``tc``
+(rate and, where the kernel has ``sch_netem``, delay: ``--rate`` / ``--delay``). Two nodes share one veth pair;
+more hang off a bridge in a namespace of its own (a star: each node's link is shaped in both directions, the
+delay is applied once per direction, on the node's side). The namespaces have no link to the host's network:
+their only addresses are 10.77.0.<node+1>/24 and there is no route anywhere else, so nothing leaves the machine.
 
 Each row runs the real multi-node launch path, one ``torchrun --nnodes N --node-rank i --nproc-per-node R
 --master-addr 10.77.0.1 --master-port P`` per namespace, ``GLOO_SOCKET_IFNAME=veth0``: traffic between two
@@ -27,345 +27,24 @@ import json
 import os
 import re
 import shutil
-import signal
 import statistics
-import subprocess
 import sys
 import tempfile
-import threading
 import time
-from dataclasses import dataclass, field
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import netemu
+
 ROOT = Path(__file__).resolve().parents[1]
 PREFIX = "bcl"  # namespaces are named bcl<pid of the creator>n<node> / bcl<pid>br
-IFACE = "veth0"
-SUBNET = "10.77.0"
 MASTER_PORT = 29400
+PROBE_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
 
 
 class ClusterError(RuntimeError):
-    pass
-
-
-class Interrupted(BaseException):
-    """SIGTERM / SIGHUP turned into an exception, so that every ``finally`` runs."""
-
-
-def _which(name: str) -> str:
-    path = shutil.which(name, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin:/usr/bin:/bin")
-    if not path:
-        raise ClusterError(f"{name} not found (needs iproute2 and util-linux)")
-    return path
-
-
-def _run(cmd: Sequence[str], check: bool = True) -> subprocess.CompletedProcess:
-    r = subprocess.run(list(cmd), capture_output=True, text=True, timeout=30)
-    if check and r.returncode != 0:
-        raise ClusterError(f"{' '.join(cmd)} failed: {r.stderr.strip()}")
-    return r
-
-
-def parse_rate(rate: str) -> float:
-    """tc's rate syntax -> bits per second ('100mbit', '1gbit', '500kbit', '12mbps' = bytes)."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*([kmgt]?)(bit|bps)?\s*", rate.lower())
-    if not m:
-        raise ClusterError(f"cannot parse rate {rate!r} (e.g. 100mbit, 1gbit)")
-    value = float(m.group(1)) * {"": 1, "k": 1e3, "m": 1e6, "g": 1e9, "t": 1e12}[m.group(2)]
-    return value * 8 if m.group(3) == "bps" else value
-
-
-def parse_delay(delay: str) -> float:
-    """'1ms', '500us', '0' -> seconds."""
-    m = re.fullmatch(r"\s*([0-9.]+)\s*(s|ms|us)?\s*", delay.lower())
-    if not m:
-        raise ClusterError(f"cannot parse delay {delay!r} (e.g. 1ms, 200us, 0)")
-    return float(m.group(1)) * {"s": 1.0, "ms": 1e-3, "us": 1e-6, None: 1e-3}[m.group(2)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# processes
-
-
-def _children() -> Dict[int, List[int]]:
-    kids: Dict[int, List[int]] = {}
-    for d in os.listdir("/proc"):
-        if d.isdigit():
-            try:
-                with open(f"/proc/{d}/stat") as f:
-                    stat = f.read()
-                ppid = int(stat[stat.rindex(")") + 2:].split()[1])
-            except (OSError, ValueError, IndexError):
-                continue
-            kids.setdefault(ppid, []).append(int(d))
-    return kids
-
-
-def descendants(pid: int) -> List[int]:
-    """``pid`` and every process below it (torchrun starts its workers in sessions of their own)."""
-    kids, out, todo = _children(), [], [pid]
-    while todo:
-        p = todo.pop()
-        out.append(p)
-        todo.extend(kids.get(p, []))
-    return out
-
-
-def kill_tree(pids: Sequence[int], grace_s: float = 5.0) -> None:
-    """SIGTERM every process of the trees rooted at ``pids`` (by pid), then SIGKILL what is left."""
-    victims: List[int] = []
-    for pid in pids:
-        victims.extend(descendants(pid))
-    for sig in (signal.SIGTERM, signal.SIGKILL):
-        alive = []
-        for p in victims:
-            try:
-                os.kill(p, sig)
-                alive.append(p)
-            except ProcessLookupError:
-                pass
-        deadline = time.monotonic() + grace_s
-        while alive and time.monotonic() < deadline:
-            alive = [p for p in alive if _alive(p)]
-            time.sleep(0.05)
-        victims = alive
-        if not victims:
-            return
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.waitpid(pid, os.WNOHANG)  # reap our own children
-    except ChildProcessError:
-        pass
-    try:
-        with open(f"/proc/{pid}/stat") as f:
-            return f.read().split(") ")[-1][:1] not in ("Z", "X")
-    except OSError:
-        return False
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# the cluster
-
-
-@dataclass
-class Cluster:
-    """N namespaces joined by shaped veth links; a context manager that removes everything on exit."""
-
-    nodes: int = 2
-    rate: str = "100mbit"
-    delay: str = "1ms"
-    gso: bool = False
-    """Keep the veths' 64 KiB GSO packets (less CPU at high rates; wire bytes then hold fewer headers)."""
-    tag: str = field(default_factory=lambda: f"{PREFIX}{os.getpid()}")
-    netns: List[str] = field(default_factory=list)
-    holders: List[subprocess.Popen] = field(default_factory=list)
-    procs: List[subprocess.Popen] = field(default_factory=list)
-    delay_emulated: bool = False
-    notes: List[str] = field(default_factory=list)
-
-    def __post_init__(self):
-        if self.nodes < 2:
-            raise ClusterError(f"--nodes {self.nodes}: an inter-node link needs at least 2 nodes")
-        if self.nodes > 250:
-            raise ClusterError(f"--nodes {self.nodes}: at most 250 nodes in {SUBNET}.0/24")
-        self.rate_bps = parse_rate(self.rate)
-        self.delay_s = parse_delay(self.delay)
-        self.ip, self.tc, self.nsenter = _which("ip"), _which("tc"), _which("nsenter")
-
-    # ---- names --------------------------------------------------------------------------------------------
-    def node_ns(self, i: int) -> str:
-        return f"{self.tag}n{i}"
-
-    @property
-    def bridge_ns(self) -> str:
-        return f"{self.tag}br"
-
-    @staticmethod
-    def addr(i: int) -> str:
-        return f"{SUBNET}.{i + 1}"
-
-    def enter(self, i: int) -> List[str]:
-        """Command prefix that runs a command in node i's network namespace (nothing else changes)."""
-        return [self.nsenter, f"--net=/var/run/netns/{self.node_ns(i)}"]
-
-    # ---- life cycle ---------------------------------------------------------------------------------------
-    def __enter__(self) -> "Cluster":
-        try:
-            self.create()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def _add_ns(self, name: str) -> None:
-        _run([self.ip, "netns", "add", name])
-        self.netns.append(name)
-        _run([self.ip, "-n", name, "link", "set", "lo", "up"])
-
-    def create(self) -> None:
-        for i in range(self.nodes):
-            self._add_ns(self.node_ns(i))
-        if self.nodes == 2:
-            a, b = self.node_ns(0), self.node_ns(1)
-            _run([self.ip, "-n", a, "link", "add", IFACE, "type", "veth", "peer", "name", IFACE, "netns", b])
-        else:
-            br = self.bridge_ns
-            self._add_ns(br)
-            _run([self.ip, "-n", br, "link", "add", "br0", "type", "bridge"])
-            _run([self.ip, "-n", br, "link", "set", "br0", "up"])
-            for i in range(self.nodes):
-                port = f"p{i}"
-                _run([self.ip, "-n", br, "link", "add", port, "type", "veth", "peer", "name", IFACE,
-                      "netns", self.node_ns(i)])
-                _run([self.ip, "-n", br, "link", "set", port, "master", "br0"])
-                _run([self.ip, "-n", br, "link", "set", port, "up"])
-        for i in range(self.nodes):
-            ns = self.node_ns(i)
-            _run([self.ip, "-n", ns, "addr", "add", f"{self.addr(i)}/24", "dev", IFACE])
-            # one IP/TCP header per MTU-sized frame, as a NIC puts on the wire (veths pass 64 KiB GSO packets;
-            # tbf would split them only when they exceed its burst, i.e. at some rates and not at others)
-            if not self.gso:
-                _run([self.ip, "-n", ns, "link", "set", IFACE, "gso_max_segs", "1"])
-            _run([self.ip, "-n", ns, "link", "set", IFACE, "up"])
-            self._shape(ns, IFACE, with_delay=True)
-            if self.nodes > 2:
-                if not self.gso:
-                    _run([self.ip, "-n", self.bridge_ns, "link", "set", f"p{i}", "gso_max_segs", "1"])
-                self._shape(self.bridge_ns, f"p{i}", with_delay=False)
-        if self.delay_s > 0 and not self.delay_emulated:
-            self.notes.append(f"delay {self.delay} NOT emulated: this kernel has no sch_netem "
-                              "(rate shaping only, tbf)")
-        for i in range(self.nodes):  # one idle process per namespace: /proc/<pid>/net/dev is that namespace's
-            self.holders.append(subprocess.Popen(self.enter(i) + ["sleep", "1000000"], stdin=subprocess.DEVNULL,
-                                                 start_new_session=True))
-        deadline = time.monotonic() + 10
-        while not all(self._has_iface(h.pid) for h in self.holders):
-            if time.monotonic() > deadline:
-                raise ClusterError("the namespace holder processes did not start")
-            time.sleep(0.02)
-
-    def _shape(self, ns: str, dev: str, with_delay: bool) -> None:
-        """Egress of ``dev``: tbf at the link rate; netem delay under it where the kernel has netem."""
-        rate_bytes = self.rate_bps / 8
-        burst = max(16384, int(rate_bytes * 0.002))  # 2 ms at line rate, at least 16 KiB (GSO segments larger)
-        _run([self.tc, "-n", ns, "qdisc", "add", "dev", dev, "root", "handle", "1:", "tbf", "rate",
-              f"{int(self.rate_bps)}bit", "burst", str(burst), "latency", "50ms"])
-        if with_delay and self.delay_s > 0:
-            r = _run([self.tc, "-n", ns, "qdisc", "add", "dev", dev, "parent", "1:1", "handle", "10:", "netem",
-                      "delay", f"{int(round(self.delay_s * 1e6))}us", "limit", "100000"], check=False)
-            self.delay_emulated = r.returncode == 0
-
-    @staticmethod
-    def _has_iface(pid: int) -> bool:
-        try:
-            with open(f"/proc/{pid}/net/dev") as f:
-                return f"{IFACE}:" in f.read()
-        except OSError:
-            return False
-
-    def remove(self) -> None:
-        """Kill every process started here (by pid, with their descendants), then delete the namespaces
-        (which deletes their veths and qdiscs). Safe to call twice."""
-        kill_tree([p.pid for p in self.procs + self.holders])
-        for p in self.procs + self.holders:
-            try:
-                p.wait(timeout=5)
-            except subprocess.TimeoutExpired:
-                pass
-        self.procs, self.holders = [], []
-        for ns in reversed(self.netns):
-            for pid in _run([self.ip, "netns", "pids", ns], check=False).stdout.split():
-                kill_tree([int(pid)])  # anything still inside is ours (started in a namespace we made)
-            _run([self.ip, "netns", "del", ns], check=False)
-        self.netns = []
-
-    # ---- processes -----------------------------------------------------------------------------------------
-    def spawn(self, i: int, cmd: Sequence[str], env: Dict[str, str], log: Path) -> subprocess.Popen:
-        with open(log, "wb") as f:
-            p = subprocess.Popen(self.enter(i) + list(cmd), env=env, cwd=ROOT, stdout=f, stderr=subprocess.STDOUT,
-                                 stdin=subprocess.DEVNULL, start_new_session=True)
-        self.procs.append(p)
-        return p
-
-    def finish(self, procs: List[subprocess.Popen], timeout_s: float) -> List[Optional[int]]:
-        """Wait for ``procs``; the first failure (or the timeout) kills the rest. Returns the exit codes."""
-        deadline = time.monotonic() + timeout_s
-        while True:
-            codes = [p.poll() for p in procs]
-            if all(c is not None for c in codes) or any(c not in (None, 0) for c in codes) \
-                    or time.monotonic() > deadline:
-                break
-            time.sleep(0.1)
-        if not all(c is not None for c in codes):
-            kill_tree([p.pid for p in procs if p.poll() is None])
-            codes = [p.poll() for p in procs]
-        for p in procs:
-            if p in self.procs and p.poll() is not None:
-                self.procs.remove(p)
-        return codes
-
-    # ---- counters ------------------------------------------------------------------------------------------
-    def counters(self) -> List[Tuple[int, int]]:
-        """(rx_bytes, tx_bytes) of every node's veth0."""
-        out = []
-        for h in self.holders:
-            with open(f"/proc/{h.pid}/net/dev") as f:
-                for line in f:
-                    name, _, rest = line.partition(":")
-                    if name.strip() == IFACE:
-                        v = rest.split()
-                        out.append((int(v[0]), int(v[8])))
-                        break
-                else:
-                    raise ClusterError(f"{IFACE} vanished from node namespace of pid {h.pid}")
-        return out
-
-
-class Sampler(threading.Thread):
-    """Samples the link counters every ``period_s``; :meth:`at` interpolates them at a wall-clock time."""
-
-    def __init__(self, cluster: Cluster, period_s: float = 0.02):
-        super().__init__(daemon=True)
-        self.cluster, self.period_s = cluster, period_s
-        self.samples: List[Tuple[float, List[Tuple[int, int]]]] = []
-        self._stop_event = threading.Event()
-
-    def run(self) -> None:
-        while not self._stop_event.is_set():
-            try:
-                self.samples.append((time.time(), self.cluster.counters()))
-            except (OSError, ClusterError):
-                return
-            self._stop_event.wait(self.period_s)
-
-    def stop(self) -> None:
-        self._stop_event.set()
-        self.join(timeout=5)
-
-    def at(self, t: float) -> List[Tuple[float, float]]:
-        s = self.samples
-        if not s or t < s[0][0] or t > s[-1][0]:
-            raise ClusterError("a step boundary lies outside the sampled counters")
-        lo, hi = 0, len(s) - 1
-        while hi - lo > 1:
-            mid = (lo + hi) // 2
-            if s[mid][0] <= t:
-                lo = mid
-            else:
-                hi = mid
-        (t0, c0), (t1, c1) = s[lo], s[hi]
-        w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
-        return [(a[0] + w * (b[0] - a[0]), a[1] + w * (b[1] - a[1])) for a, b in zip(c0, c1)]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# rows
+    """A benchmark's own failure (the probe's ranks failed; an injected failure); the network's are NetemuError."""
 
 
 @dataclass
@@ -405,9 +84,10 @@ def common_overrides(args, run_dir: Path, world: int) -> List[str]:
                f"logging.run_dir={run_dir}"] + [kv for group in args.model for kv in group])
 
 
-def worker_env(cluster: Cluster) -> Dict[str, str]:
+def worker_env() -> Dict[str, str]:
+    """gloo over the node's link; one thread per rank (the nodes share this machine's cores); no proxies."""
     env = dict(os.environ)
-    env.update({"GLOO_SOCKET_IFNAME": IFACE, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
+    env.update({"GLOO_SOCKET_IFNAME": netemu.IFACE, "OMP_NUM_THREADS": "1", "MKL_NUM_THREADS": "1",
                 "PYTHONUNBUFFERED": "1", "PYTHONPATH": str(ROOT), "WANDB_MODE": "disabled",
                 "TORCHELASTIC_ERROR_FILE": "", "NO_PROXY": "*"})
     for k in ("http_proxy", "https_proxy", "HTTP_PROXY", "HTTPS_PROXY", "all_proxy", "ALL_PROXY"):
@@ -415,34 +95,31 @@ def worker_env(cluster: Cluster) -> Dict[str, str]:
     return env
 
 
-def torchrun(cluster: Cluster, i: int, ranks: int, port: int, script: Sequence[str]) -> List[str]:
+def torchrun(cluster: netemu.Cluster, i: int, ranks: int, port: int, script: Sequence[str]) -> List[str]:
     return [sys.executable, "-m", "torch.distributed.run", "--nnodes", str(cluster.nodes), "--node-rank", str(i),
             "--nproc-per-node", str(ranks), "--master-addr", cluster.addr(0), "--master-port", str(port),
             *script]
 
 
-def launch(cluster: Cluster, ranks: int, port: int, script: Sequence[str], logdir: Path, name: str,
+def launch(cluster: netemu.Cluster, ranks: int, port: int, script: Sequence[str], logdir: Path, name: str,
            timeout_s: float) -> Tuple[List[Optional[int]], List[Path]]:
-    env = worker_env(cluster)
+    """One torchrun per node; waits for them (or ``timeout_s``). Returns the exit codes and the nodes' logs."""
     logs = [logdir / f"{name}.node{i}.log" for i in range(cluster.nodes)]
-    procs = [cluster.spawn(i, torchrun(cluster, i, ranks, port, script), env, logs[i]) for i in range(cluster.nodes)]
+    procs = [cluster.spawn(i, torchrun(cluster, i, ranks, port, script), worker_env(), logs[i], ROOT)
+             for i in range(cluster.nodes)]
     return cluster.finish(procs, timeout_s), logs
 
 
 def error_line(logs: Sequence[Path]) -> str:
-    for log in logs:
-        try:
-            text = log.read_text(errors="replace")
-        except OSError:
-            continue
-        for line in text.splitlines():
-            if line.startswith("error:"):
-                return line
-    for log in logs:  # a worker's own exception or abort, before torchrun's summary of it
-        try:
-            lines = [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()]
-        except OSError:
-            continue
+    """Why a row failed, from its nodes' logs: train.py's own ``error:`` line, else the first worker exception
+    or abort (before torchrun's summary of it), else torchrun's root cause."""
+    texts = [(log, [ln.strip() for ln in log.read_text(errors="replace").splitlines() if ln.strip()])
+             for log in logs if log.exists()]
+    for _, lines in texts:
+        for ln in lines:
+            if ln.startswith("error:"):
+                return ln
+    for log, lines in texts:
         for ln in lines:
             if ln.startswith("terminate called") or (re.match(r"^[\w.]+(Error|Exception): ", ln)
                                                      and "ChildFailedError" not in ln
@@ -476,12 +153,12 @@ def combine(runs: List[dict]) -> dict:
     return out
 
 
-def run_row(cluster: Cluster, row: Row, args, workdir: Path, port: int, run_dir_name: str) -> dict:
+def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, run_dir_name: str) -> dict:
     world = cluster.nodes * args.ranks_per_node
     run_dir = workdir / run_dir_name
     overrides = common_overrides(args, run_dir, world)
     script = ["train.py"] if row.script == "train" else ["scripts/fsdp2_peer.py"]
-    sampler = Sampler(cluster)
+    sampler = netemu.Sampler(cluster)
     sampler.start()
     t0 = time.monotonic()
     try:
@@ -535,19 +212,16 @@ def run_row(cluster: Cluster, row: Row, args, workdir: Path, port: int, run_dir_
 
 
 def cluster_seq_len(args) -> int:
-    seq = 128
-    for group in args.model:
-        for kv in group:
-            if kv.startswith("model.seq_len="):
-                seq = int(kv.split("=", 1)[1])
-    return seq
+    """The rows' model.seq_len: MODEL's unless ``--model`` overrides it."""
+    seqs = [int(kv.split("=", 1)[1]) for group in args.model for kv in group if kv.startswith("model.seq_len=")]
+    return seqs[-1] if seqs else 128
 
 
 def mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def table(results: List[dict], cluster: Cluster, args) -> str:
+def table(results: List[dict], cluster: netemu.Cluster, args) -> str:
     base = next((r for r in results if r["row"] == "zero3" and "error" not in r), None)
     head = ("| row | step time (s, median) | tokens/s | counted inter MiB/step | wire inter MiB/step "
             "| wire / counted | bound (s) | step / bound | counted vs ZeRO-3 | wire vs ZeRO-3 |")
@@ -580,7 +254,7 @@ def table(results: List[dict], cluster: Cluster, args) -> str:
     return "\n".join(lines)
 
 
-def header(cluster: Cluster, args) -> str:
+def header(cluster: netemu.Cluster, args) -> str:
     world = cluster.nodes * args.ranks_per_node
     extra = " ".join(kv for group in args.model for kv in group)
     lines = [f"{cluster.nodes} nodes x {args.ranks_per_node} ranks (dp {world}), link {cluster.rate} "
@@ -597,156 +271,16 @@ def header(cluster: Cluster, args) -> str:
     return "\n".join(lines)
 
 
-# ---------------------------------------------------------------------------------------------------------------
-# probe: wire bytes per ledger byte, by collective
-
-
-PROBE_KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
-
-
-def probe_worker(argv: Sequence[str]) -> int:
-    """One rank of the probe (under torchrun inside a node namespace)."""
-    p = argparse.ArgumentParser()
-    p.add_argument("--out", required=True)
-    p.add_argument("--kinds", default=",".join(PROBE_KINDS))
-    p.add_argument("--groups", default="world,inter")
-    p.add_argument("--mib", type=float, default=1.0)
-    p.add_argument("--iters", type=int, default=4)
-    a = p.parse_args(argv)
-    import torch
-    import torch.distributed as dist
-
-    torch.set_num_threads(1)
-    dist.init_process_group("gloo")
-    rank, world = dist.get_rank(), dist.get_world_size()
-    local = int(os.environ["LOCAL_WORLD_SIZE"])
-    node, lrank = rank // local, rank % local
-    groups = {"world": (None, list(range(world)))}
-    for l in range(local):  # every rank creates every group, in the same order
-        ranks = list(range(l, world, local))
-        pg = dist.new_group(ranks)
-        if l == lrank:
-            groups["inter"] = (pg, ranks)
-
-    def counters():
-        with open("/proc/self/net/dev") as f:
-            for line in f:
-                name, _, rest = line.partition(":")
-                if name.strip() == IFACE:
-                    v = rest.split()
-                    return int(v[0]), int(v[8])
-        raise RuntimeError(f"no {IFACE} in this namespace")
-
-    numel = int(a.mib * 2**20) // 2 // world * world  # bf16 elements, a multiple of every group size
-    results = []
-    for gname in a.groups.split(","):
-        pg, members = groups[gname]
-        g = len(members)
-        for kind in a.kinds.split(","):
-            x = torch.ones(numel, dtype=torch.bfloat16)
-            if kind == "all_gather":
-                out = torch.empty(numel * g, dtype=torch.bfloat16)
-                op, ledger = (lambda: dist.all_gather_single(out, x, group=pg)), (g - 1) * x.numel() * 2
-            elif kind == "reduce_scatter":
-                out = torch.empty(numel // g, dtype=torch.bfloat16)
-                op, ledger = (lambda: dist.reduce_scatter_single(out, x, group=pg)), (g - 1) / g * x.numel() * 2
-            elif kind == "all_to_all":
-                out = torch.empty_like(x)
-                op, ledger = (lambda: dist.all_to_all_single(out, x, group=pg)), (g - 1) / g * x.numel() * 2
-            elif kind == "all_reduce":
-                op, ledger = (lambda: dist.all_reduce(x, group=pg)), 2 * (g - 1) / g * x.numel() * 2
-            else:
-                raise SystemExit(f"unknown kind {kind}")
-            op()  # warm-up (connections)
-            deltas = {}
-            for iters in (0, a.iters):
-                dist.barrier()
-                time.sleep(0.3)  # let the last ACKs of what came before pass
-                before = counters()
-                dist.barrier()  # no rank of this node may send before its reader has read
-                t0 = time.perf_counter()
-                for _ in range(iters):
-                    op()
-                dist.barrier()
-                dt = time.perf_counter() - t0
-                time.sleep(0.3)
-                after = counters()
-                deltas[iters] = (after[1] - before[1], dt)
-            mine = [(deltas[a.iters][0] - deltas[0][0]) / a.iters, (deltas[a.iters][1] - deltas[0][1]) / a.iters]
-            every = [None] * world
-            dist.all_gather_object(every, (node, lrank, mine))
-            if rank == 0:
-                wire = sum(m[0] for (_, lr, m) in every if lr == 0)  # one reader per node namespace
-                results.append({"kind": kind, "group": gname, "group_size": g, "input_bytes": x.numel() * 2,
-                                "ledger_per_rank": ledger, "ledger_total": ledger * world,
-                                "ranks_running": world, "wire_bytes": wire,
-                                "time_s": max(m[1] for (_, _, m) in every)})
-    if rank == 0:
-        Path(a.out).write_text(json.dumps(results, indent=1))
-    dist.destroy_process_group()
-    return 0
-
-
-def run_probe(cluster: Cluster, args, workdir: Path) -> List[dict]:
+def run_probe(cluster: netemu.Cluster, args, workdir: Path) -> Tuple[List[dict], str]:
+    """scripts/bench_probe.py on every node: its results and their table."""
     out = workdir / "probe.json"
-    script = [str(Path(__file__).resolve()), "--probe-worker", "--out", str(out), "--kinds", args.probe_kinds,
-              "--groups", args.probe_groups, "--mib", str(args.probe_mib), "--iters", str(args.probe_iters)]
+    script = [str(Path(__file__).with_name("bench_probe.py")), "--out", str(out), "--kinds", args.probe_kinds,
+              "--groups", args.probe_groups, "--mib", str(args.probe_mib), "--iters", str(args.probe_iters),
+              "--rate", cluster.rate]
     codes, logs = launch(cluster, args.ranks_per_node, MASTER_PORT - 1, script, workdir, "probe", args.row_timeout)
     if any(c != 0 for c in codes):
         raise ClusterError(f"probe failed: {error_line(logs)} (logs: {', '.join(map(str, logs))})")
-    return json.loads(out.read_text())
-
-
-def probe_table(results: List[dict], cluster: Cluster, args) -> str:
-    lines = [f"probe: {cluster.nodes} nodes x {args.ranks_per_node} ranks, link {cluster.rate}, "
-             f"{args.probe_mib} MiB bf16 input per rank, {args.probe_iters} calls each (minus a 0-call "
-             "baseline of the same barriers); gloo via all_gather_single (= all_gather_into_tensor), "
-             "reduce_scatter_single (= reduce_scatter_tensor), all_to_all_single, all_reduce",
-             "",
-             "| collective | group | g | ledger bytes per rank | ledger, all ranks | wire bytes (all veth0 tx) "
-             "| wire / ledger (all ranks) | wire / input bytes | time per call (s) | eff. link MB/s |",
-             "|" + "---|" * 10]
-    for r in results:
-        busiest = r["wire_bytes"] / cluster.nodes
-        lines.append(f"| {r['kind']} | {r['group']} | {r['group_size']} | {r['ledger_per_rank']:.0f} "
-                     f"| {r['ledger_total']:.0f} | {r['wire_bytes']:.0f} | {r['wire_bytes'] / r['ledger_total']:.3f} "
-                     f"| {r['wire_bytes'] / r['input_bytes']:.3f} | {r['time_s']:.3f} "
-                     f"| {busiest / r['time_s'] / 1e6:.2f} |")
-    return "\n".join(lines)
-
-
-# ---------------------------------------------------------------------------------------------------------------
-# stale state
-
-
-def cleanup_stale() -> List[str]:
-    """Remove namespaces this script made in runs that are gone (their creator pid is dead)."""
-    ip = _which("ip")
-    removed = []
-    for line in _run([ip, "netns", "list"], check=False).stdout.splitlines():
-        name = line.split()[0] if line.split() else ""
-        m = re.fullmatch(rf"{PREFIX}(\d+)(n\d+|br)", name)
-        if not m or _alive(int(m.group(1))):
-            continue
-        for pid in _run([ip, "netns", "pids", name], check=False).stdout.split():
-            kill_tree([int(pid)])
-        _run([ip, "netns", "del", name], check=False)
-        removed.append(name)
-    return removed
-
-
-def our_namespaces(pid: Optional[int] = None) -> List[str]:
-    out = _run([_which("ip"), "netns", "list"], check=False).stdout
-    num = str(pid) if pid is not None else r"\d+"
-    pat = PREFIX + num + r"(n\d+|br)"
-    return [ln.split()[0] for ln in out.splitlines() if ln.split() and re.fullmatch(pat, ln.split()[0])]
-
-
-# ---------------------------------------------------------------------------------------------------------------
-
-
-def _raise_interrupted(signum, frame):
-    raise Interrupted(f"signal {signum}")
+    return json.loads(out.read_text()), out.with_suffix(".md").read_text()
 
 
 def parse_args(argv):
@@ -781,85 +315,82 @@ def parse_args(argv):
     return p.parse_args(argv)
 
 
+def run_rows(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> List[dict]:
+    """Every row ``--repeat`` times, the rounds interleaved (drift in the machine's load spreads over all rows);
+    one combined result per row."""
+    table_rows = rows_for(args.ranks_per_node)
+    runs: Dict[str, List[dict]] = {n: [] for n in names}
+    for rep in range(args.repeat):
+        for k, name in enumerate(names):
+            tag = f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+            print(f"[bench_cluster] row {name}{tag} ...", flush=True)
+            run_dir_name = name if args.repeat == 1 else f"{name}.{rep}"
+            r = run_row(cluster, table_rows[name], args, workdir, MASTER_PORT + rep * len(names) + k, run_dir_name)
+            runs[name].append(r)
+            if "error" in r:
+                print(f"[bench_cluster]   {name}: {r['error']}", flush=True)
+            else:
+                print(f"[bench_cluster]   {name}: {r['step_time_s']:.3f} s/step, counted "
+                      f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
+                      f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
+    return [combine(runs[n]) for n in names]
+
+
+def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int:
+    print(f"[bench_cluster] namespaces {' '.join(ns.name for ns in cluster.namespaces)}; logs in {workdir}",
+          flush=True)
+    for note in cluster.notes:
+        print(f"[bench_cluster] warning: {note}", flush=True)
+    if args.fail_after_setup:
+        raise ClusterError("injected failure after set-up (--fail-after-setup)")
+    if args.probe:
+        res, probe_table = run_probe(cluster, args, workdir)
+        print(probe_table, flush=True)
+        if args.json:
+            Path(args.json).write_text(json.dumps({"probe": res}, indent=1))
+        return 0
+    results = run_rows(cluster, args, names, workdir)
+    print(f"\n{header(cluster, args)}\n\n{table(results, cluster, args)}", flush=True)
+    if args.json:
+        Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results}, indent=1))
+    return 0 if all("error" not in r for r in results) else 1
+
+
+def fail(message: str) -> int:
+    print(f"error: {message}", file=sys.stderr)
+    return 2
+
+
 def main(argv=None) -> int:
-    argv = sys.argv[1:] if argv is None else list(argv)
-    if argv[:1] == ["--probe-worker"]:
-        return probe_worker(argv[1:])
-    args = parse_args(argv)
+    args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    table_rows = rows_for(args.ranks_per_node)
+    names = list(table_rows) if args.rows == "all" else args.rows.split(",")
     if args.skip < 1 or args.steps <= args.skip:
-        print(f"error: need --steps > --skip >= 1 (got --steps {args.steps} --skip {args.skip})", file=sys.stderr)
-        return 2
+        return fail(f"need --steps > --skip >= 1 (got --steps {args.steps} --skip {args.skip})")
     if os.geteuid() != 0:
-        print("error: needs root (network namespaces and tc)", file=sys.stderr)
-        return 2
+        return fail("needs root (network namespaces and tc)")
     if args.cleanup:
-        removed = cleanup_stale()
+        removed = netemu.cleanup_stale(PREFIX)
         print("removed: " + (" ".join(removed) if removed else "nothing"))
         return 0
-    names = list(rows_for(args.ranks_per_node)) if args.rows == "all" else args.rows.split(",")
-    table_rows = rows_for(args.ranks_per_node)
-    unknown = [n for n in names if n not in table_rows]
-    if unknown:
-        print(f"error: unknown rows {unknown}; known: {', '.join(table_rows)}", file=sys.stderr)
-        return 2
-    old = {s: signal.signal(s, _raise_interrupted) for s in (signal.SIGTERM, signal.SIGHUP)}
+    if any(n not in table_rows for n in names):
+        return fail(f"unknown rows {[n for n in names if n not in table_rows]}; known: {', '.join(table_rows)}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
-    cluster = Cluster(args.nodes, args.rate, args.delay, gso=args.gso)
-    results: List[dict] = []
-    try:
-        with cluster:
-            print(f"[bench_cluster] namespaces {' '.join(cluster.netns)}; logs in {workdir}", flush=True)
-            for note in cluster.notes:
-                print(f"[bench_cluster] warning: {note}", flush=True)
-            if args.fail_after_setup:
-                raise ClusterError("injected failure after set-up (--fail-after-setup)")
-            if args.probe:
-                res = run_probe(cluster, args, workdir)
-                print(probe_table(res, cluster, args), flush=True)
-                if args.json:
-                    Path(args.json).write_text(json.dumps({"probe": res}, indent=1))
-                return 0
-            runs: Dict[str, List[dict]] = {n: [] for n in names}
-            for rep in range(args.repeat):
-                for k, name in enumerate(names):
-                    tag = f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
-                    print(f"[bench_cluster] row {name}{tag} ...", flush=True)
-                    run_dir_name = name if args.repeat == 1 else f"{name}.{rep}"
-                    r = run_row(cluster, table_rows[name], args, workdir, MASTER_PORT + rep * len(names) + k,
-                                run_dir_name)
-                    runs[name].append(r)
-                    if "error" in r:
-                        print(f"[bench_cluster]   {name}: {r['error']}", flush=True)
-                    else:
-                        print(f"[bench_cluster]   {name}: {r['step_time_s']:.3f} s/step, counted "
-                              f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
-                              f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
-            results = [combine(runs[n]) for n in names]
-            print()
-            print(header(cluster, args))
-            print()
-            print(table(results, cluster, args), flush=True)
-            if args.json:
-                Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results}, indent=1))
-        return 0 if all("error" not in r for r in results) else 1
-    except ClusterError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
-    except (KeyboardInterrupt, Interrupted) as e:
-        print(f"[bench_cluster] interrupted ({e or 'SIGINT'}); cleaned up", file=sys.stderr)
-        return 130
-    finally:
-        for s in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):  # no second interrupt in the middle of clean-up
-            signal.signal(s, signal.SIG_IGN)
-        cluster.remove()
-        for s, h in old.items():
-            signal.signal(s, h)
-        signal.signal(signal.SIGINT, signal.default_int_handler)
-        if args.keep_logs or args.workdir:
-            print(f"[bench_cluster] logs and run dirs kept in {workdir}", file=sys.stderr)
-        else:
-            shutil.rmtree(workdir, ignore_errors=True)
+    with netemu.interrupts_raise():  # SIGTERM/SIGHUP, like SIGINT, leave through the ``with`` that removes all
+        try:
+            with netemu.Cluster(PREFIX, args.nodes, args.rate, args.delay, gso=args.gso) as cluster:
+                return bench(cluster, args, names, workdir)
+        except (ClusterError, netemu.NetemuError) as e:
+            return fail(str(e))
+        except (KeyboardInterrupt, netemu.Interrupted) as e:
+            print(f"[bench_cluster] interrupted ({e or 'SIGINT'}); cleaned up", file=sys.stderr)
+            return 130
+        finally:
+            if args.keep_logs or args.workdir:
+                print(f"[bench_cluster] logs and run dirs kept in {workdir}", file=sys.stderr)
+            else:
+                shutil.rmtree(workdir, ignore_errors=True)
 
 
 if __name__ == "__main__":

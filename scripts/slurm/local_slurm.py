@@ -16,7 +16,8 @@ as on clusters whose node names are not in DNS) all have ``NodeAddr=127.0.0.1`` 
 port (Debian's slurmd is built with multiple-slurmd support: ``slurmd -N smk1``). Every daemon
 binds to loopback only (``CommunicationParameters=NoInAddrAny``); the munge socket is private.
 Daemons, Slurm commands and so the jobs run in a network namespace of their own with no route
-off the machine (:class:`LoopbackNetns`): looking up the unresolvable node names sends nothing.
+off the machine (scripts/netemu.py's :class:`LoopbackNetns`): looking up the unresolvable node names
+sends nothing.
 The logical nodes share this machine's cores,
 so no CPU binding (``TaskPlugin=task/none``: binding would pin the ranks of both nodes to the same
 core numbers); the CPUs SLURM grants a step are still visible in ``scontrol show step``. No
@@ -40,6 +41,12 @@ import tempfile
 import time
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence
+
+SCRIPTS = str(Path(__file__).resolve().parents[1])
+if SCRIPTS not in sys.path:  # run as a script (from any directory) or imported from tests/
+    sys.path.insert(0, SCRIPTS)
+
+import netemu  # noqa: E402
 
 PACKAGES = ("munge", "slurmctld", "slurmd", "slurm-client")
 BINARIES = ("munged", "slurmctld", "slurmd", "sbatch", "scontrol", "squeue", "sinfo", "scancel", "srun")
@@ -111,50 +118,6 @@ def _which(name: str) -> str:
     return path
 
 
-class LoopbackNetns:
-    """A network namespace of loopback only: what runs under :attr:`prefix` talks to nothing but itself.
-
-    Commands enter it with ``nsenter --net`` (no other namespace changes, so /sys/fs/cgroup and /etc
-    stay as they are). It has no route anywhere, so looking up a name that exists nowhere (as these
-    tests do on purpose) fails at once: the DNS query cannot be sent, nothing leaves the machine.
-    Besides ``lo`` it holds a veth pair with a documentation address (192.0.2.1/32) of its own,
-    because getaddrinfo(AI_ADDRCONFIG), which Slurm uses, returns nothing on a host whose only
-    addresses are loopback. Deleted on exit.
-    """
-
-    def __init__(self):
-        self.name = f"gptlo{os.getpid()}x{int.from_bytes(os.urandom(2), 'little')}"
-        self.prefix: List[str] = []
-
-    def __enter__(self) -> "LoopbackNetns":
-        try:
-            self.create()
-        except BaseException:
-            self.remove()
-            raise
-        return self
-
-    def __exit__(self, *exc) -> None:
-        self.remove()
-
-    def create(self) -> None:
-        ip, n = _which("ip"), self.name
-        for cmd in (["netns", "add", n], ["-n", n, "link", "set", "lo", "up"],
-                    ["-n", n, "link", "add", "v0", "type", "veth", "peer", "name", "v1"],
-                    ["-n", n, "addr", "add", "192.0.2.1/32", "dev", "v0"],
-                    ["-n", n, "link", "set", "v0", "up"], ["-n", n, "link", "set", "v1", "up"]):
-            r = subprocess.run([ip, *cmd], capture_output=True, text=True, timeout=30)
-            if r.returncode != 0:
-                raise LocalSlurmError(f"ip {' '.join(cmd)} failed: {r.stderr.strip()}")
-        self.prefix = [_which("nsenter"), f"--net=/var/run/netns/{n}"]
-
-    def remove(self) -> None:
-        ip = shutil.which("ip", path="/usr/sbin:/sbin:/usr/bin:/bin")
-        if ip:
-            subprocess.run([ip, "netns", "del", self.name], capture_output=True, timeout=30)
-        self.prefix = []
-
-
 class LocalSlurm:
     """Context manager: a running local cluster; :meth:`env` is the environment for Slurm commands."""
 
@@ -165,7 +128,7 @@ class LocalSlurm:
         self.dir: Optional[Path] = None
         self.procs: Dict[str, subprocess.Popen] = {}
         self.conf: Optional[Path] = None
-        self.netns = LoopbackNetns()  # daemons, commands and jobs: loopback only, no DNS
+        self.netns = netemu.LoopbackNetns()  # daemons, commands and jobs: loopback only, no DNS
 
     # ---- lifecycle -------------------------------------------------------------------------------
     def __enter__(self) -> "LocalSlurm":
@@ -181,7 +144,10 @@ class LocalSlurm:
 
     def start(self) -> None:
         self.dir = Path(tempfile.mkdtemp(prefix="local-slurm-"))
-        self.netns.create()
+        try:
+            self.netns.create()
+        except netemu.NetemuError as e:
+            raise LocalSlurmError(f"the cluster's network namespace: {e}") from e
         d = self.dir
         (d / "ctld").mkdir()
         (d / "munge").mkdir(mode=0o700)
@@ -379,8 +345,9 @@ def main(argv: Optional[List[str]] = None) -> int:
     with LocalSlurm(args.nodes, args.cpus) as cluster:
         print(f"[local_slurm] up: nodes {','.join(cluster.node_names)}; SLURM_CONF={cluster.conf}", flush=True)
         if cmd:
-            return subprocess.run(cmd, env=cluster.env()).returncode
-        print("[local_slurm] export SLURM_CONF=... in another shell to use it; Ctrl-C stops it", flush=True)
+            return subprocess.run(cluster.netns.prefix + cmd, env=cluster.env()).returncode  # where the daemons listen
+        print(f"[local_slurm] from another shell: SLURM_CONF={cluster.conf} {' '.join(cluster.netns.prefix)} sinfo ...; "
+              "Ctrl-C stops it", flush=True)
         try:
             signal.signal(signal.SIGTERM, lambda *a: sys.exit(0))
             while all(p.poll() is None for p in cluster.procs.values()):
