@@ -7,24 +7,39 @@ many samples of the global batch stream (all data-parallel ranks together)
 have been consumed.  A step reads the global indices ``consumed_samples ..
 consumed_samples + global_batch - 1`` (each rank takes its slice of them with
 :func:`get_batch`) and then adds ``global_batch``.  Sample ``i`` is a pure
-function of the data files, ``seed``, ``seq_len``, the split and weights and
-``i`` itself: no iterator or RNG state is kept, so a run resumed from a
-checkpoint's ``consumed_samples`` reads exactly the tokens it would have read
-without the interruption, whatever was read before in the current process.
+function of the data files' contents, ``seed``, ``seq_len``, the split and
+weights and ``i`` itself (not of the files' names or places): no iterator or
+RNG state is kept, so a run resumed from a checkpoint's ``consumed_samples``
+reads exactly the tokens it would have read without the interruption, whatever
+was read before in the current process and wherever the files now lie.
 
 Sample layout
 -------------
 Every sample holds ``seq_len + 1`` tokens; ``tokens = s[:-1]`` and
 ``labels = s[1:]``.  In epoch ``e`` a dataset orders its documents by a
-permutation seeded by ``(seed, e, name)`` and reads their concatenation
+permutation seeded by ``(seed, e, key)`` and reads their concatenation
 (documents end with EOD) as one stream; sample ``i`` of the epoch is the
 window ``[i * seq_len, i * seq_len + seq_len + 1)`` of that stream, so windows
 overlap by one token and cross document boundaries.  Windows are visited in a
 second permutation drawn from the same generator.
+
+Data order versions
+-------------------
+``key`` is what :data:`DATA_ORDER` numbers (checkpoints record it):
+
+1. ``CRC-32("<basename of prefix>/<train|valid>")``: the order before issue 17.
+   Renaming a file changed its order (byte-identical data under another name
+   read other samples after a resume).  Still built on request (``seed_names``
+   of :func:`build_datasets`) so a checkpoint written in it resumes on its curve.
+2. :func:`content_key`: from the data's content
+   (:attr:`~data.indexed.IndexedDataset.content_sha256`) and the part, so the
+   same data under any path or format gives the same order, and two different
+   datasets of a blend get different ones.
 """
 
 from __future__ import annotations
 
+import hashlib
 import os
 import zlib
 from collections import OrderedDict
@@ -37,6 +52,8 @@ import torch
 
 from data.indexed import DataError, IndexedDataset
 
+DATA_ORDER = 2
+"""The data order version :func:`build_datasets` produces unless ``seed_names`` asks for version 1."""
 _EPOCHS_CACHED = 3  # epochs whose permutations a GPTDataset keeps
 _BLOCK = 4096  # global indices per blending block
 _BLOCKS_CACHED = 4
@@ -66,6 +83,7 @@ class GPTDataset:
         seed: int,
         name: str,
         vocab_size: int | None = None,
+        key: int | None = None,
     ) -> None:
         if seq_len < 1:
             raise DataError(f"dataset {name!r}: seq_len must be positive, got {seq_len}")
@@ -74,6 +92,8 @@ class GPTDataset:
         self.seq_len = seq_len
         self.seed = seed
         self.name = name
+        self.key = zlib.crc32(name.encode()) if key is None else key
+        """Seeds the shuffling with ``seed``; default: CRC-32 of ``name`` (data order 1)."""
         self.vocab_size = vocab_size
         """When set, every sample is checked against it (corrupted bytes give an error naming the file)."""
         self.tokens_per_epoch = int(indexed.sizes[self.doc_ids].sum(dtype=np.int64))
@@ -89,12 +109,12 @@ class GPTDataset:
         """Document order, stream offsets and sample order of ``epoch`` (cached).
 
         Both permutations come from one generator seeded by ``(seed, epoch,
-        CRC-32 of name)``: first the documents', then the samples'.
+        key)``: first the documents', then the samples'.
         """
         if epoch in self._epochs:
             self._epochs.move_to_end(epoch)
             return self._epochs[epoch]
-        rng = np.random.default_rng([self.seed, epoch, zlib.crc32(self.name.encode())])
+        rng = np.random.default_rng([self.seed, epoch, self.key])
         docs = self.doc_ids[rng.permutation(len(self.doc_ids))]
         starts = np.zeros(len(docs) + 1, dtype=np.int64)
         np.cumsum(self.indexed.sizes[docs], out=starts[1:])
@@ -219,6 +239,12 @@ def _combine(datasets: list[GPTDataset], weights: Sequence[float] | None) -> Sam
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)
 
 
+def content_key(content_sha256: str, part: str) -> int:
+    """Data order 2's shuffle key of one part (``"train"``/``"valid"``) of a dataset: the first 8 bytes,
+    little-endian, of SHA-256 of ``"<content_sha256>/<part>"``."""
+    return int.from_bytes(hashlib.sha256(f"{content_sha256}/{part}".encode()).digest()[:8], "little")
+
+
 def build_datasets(
     paths: list[str],
     weights: list[float] | None,
@@ -226,19 +252,26 @@ def build_datasets(
     seq_len: int,
     seed: int,
     vocab_size: int | None = None,
+    seed_names: Sequence[str] | None = None,
 ) -> tuple[Sampleable, Sampleable | None]:
     """Train and valid sample streams over the ``.bin/.idx`` prefixes ``paths``.
 
     Each prefix is split by :func:`split_documents`; several prefixes are
     blended with ``weights`` (default: proportional to their tokens in the
-    split).  A dataset's shuffling is seeded by ``seed`` and its name
-    ``"<basename of prefix>/<train|valid>"``, so moving the files does not
-    change the samples.  Valid is ``None`` when its fraction is 0.  With
-    ``vocab_size``, ids at or above it are refused: on opening (from the index's
-    largest id) and in every sample read (corrupted bytes), naming the file.
+    split).  A dataset's shuffling is seeded by ``seed`` and, in data order
+    :data:`DATA_ORDER` = 2, its content (:func:`content_key`), so moving,
+    renaming or copying the files does not change the samples.  With
+    ``seed_names`` (one per path) it is data order 1 instead: seeded by
+    ``"<seed name>/<train|valid>"`` as before issue 17, for resuming a
+    checkpoint written in that order (its paths' basenames).  Valid is ``None``
+    when its fraction is 0.  With ``vocab_size``, ids at or above it are
+    refused: on opening (from the index's largest id) and in every sample read
+    (corrupted bytes), naming the file.
     """
     if not paths:
         raise DataError("no data paths given")
+    if seed_names is not None and len(seed_names) != len(paths):
+        raise DataError(f"{len(paths)} data paths but {len(seed_names)} seed names")
     if weights is not None:
         if len(weights) != len(paths):
             raise DataError(f"{len(paths)} data paths but {len(weights)} weights")
@@ -255,12 +288,15 @@ def build_datasets(
     splits = [split_documents(d.num_docs, split) for d in indexed]
 
     def stream(part: int, part_name: str) -> Sampleable:
-        datasets = [
-            GPTDataset(
-                d, doc_ids[part], seq_len, seed, f"{os.path.basename(path)}/{part_name}", vocab_size
+        datasets = []
+        for i, (path, d, doc_ids) in enumerate(zip(paths, indexed, splits, strict=True)):
+            name = f"{os.path.basename(path)}/{part_name}"
+            key = (
+                zlib.crc32(f"{seed_names[i]}/{part_name}".encode())
+                if seed_names is not None
+                else content_key(d.content_sha256, part_name)
             )
-            for path, d, doc_ids in zip(paths, indexed, splits, strict=True)
-        ]
+            datasets.append(GPTDataset(d, doc_ids[part], seq_len, seed, name, vocab_size, key))
         return _combine(datasets, weights)
 
     return stream(0, "train"), stream(1, "valid") if float(split[1]) > 0 else None

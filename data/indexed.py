@@ -87,6 +87,12 @@ _MEGATRON_DTYPES: dict[int, np.dtype] = {
 }
 
 
+CONTENT_ALL_TOKENS = 1 << 16
+"""Up to this many tokens, :attr:`IndexedDataset.content_sha256` hashes them all."""
+CONTENT_BLOCKS, CONTENT_BLOCK_TOKENS = 64, 1024
+"""Beyond it, this many evenly spread blocks of this many tokens."""
+
+
 class DataError(ValueError):
     """Raised for unreadable, inconsistent or otherwise invalid input data."""
 
@@ -210,6 +216,7 @@ class IndexedDataset:
         idx = np.memmap(idx_path, dtype=np.uint8, mode="r") if idx_bytes else np.empty(0, np.uint8)
         start = idx[: len(MEGATRON_MAGIC)].tobytes()
         self._max_token_id: int | None = None  # None: scanned from .bin when asked
+        self._content_sha256: str | None = None  # computed when asked
         if start == MEGATRON_MAGIC:
             self.format = "megatron"
             self._open_megatron(idx, idx_path, bin_path)
@@ -398,6 +405,35 @@ class IndexedDataset:
         assert self._max_token_id is not None
         return self._max_token_id
 
+    @property
+    def content_sha256(self) -> str:
+        """SHA-256 (hex) of what the pair holds, whatever its name, directory, format or token dtype.
+
+        Hashed, each number as a little-endian int64 after the tag ``b"gpt-data-content-v1"``: the
+        document count and total token count, every document size, then the tokens: all of them
+        when there are at most :data:`CONTENT_ALL_TOKENS`, else :data:`CONTENT_BLOCKS` blocks of
+        :data:`CONTENT_BLOCK_TOKENS` starting at ``k * (total - CONTENT_BLOCK_TOKENS) //
+        (CONTENT_BLOCKS - 1)`` (the first and last tokens included).  Reads the index and at most
+        ~0.5 MiB of tokens; computed once per instance.  It seeds the shuffling
+        (``data/gpt_dataset.py``) and is the data's identity in checkpoints (:func:`fingerprint`).
+        """
+        if self._content_sha256 is None:
+            h = hashlib.sha256(b"gpt-data-content-v1")
+            h.update(np.array([self.num_docs, self.total_tokens], dtype="<i8").tobytes())
+            for i in range(0, self.num_docs, 1 << 22):
+                h.update(np.asarray(self.sizes[i : i + (1 << 22)]).astype("<i8").tobytes())
+            total = self.total_tokens
+            if total <= CONTENT_ALL_TOKENS:
+                starts, length = [0], total
+            else:
+                span = total - CONTENT_BLOCK_TOKENS
+                starts = [k * span // (CONTENT_BLOCKS - 1) for k in range(CONTENT_BLOCKS)]
+                length = CONTENT_BLOCK_TOKENS
+            for start in starts:
+                h.update(np.asarray(self.tokens[start : start + length]).astype("<i8").tobytes())
+            self._content_sha256 = h.hexdigest()
+        return self._content_sha256
+
     def check_vocab(self, vocab_size: int) -> None:
         """Refuse ids the model cannot embed (data built with another tokenizer, or corrupted)."""
         if self.max_token_id >= vocab_size:
@@ -435,13 +471,17 @@ class IndexedDataset:
 
 
 def fingerprint(prefix: str) -> dict[str, object]:
-    """Identity of a ``.bin``/``.idx`` pair that survives moving it: the index's sha256 and the data size.
+    """Identity of a ``.bin``/``.idx`` pair that survives moving or renaming it.
 
-    Cheap next to the data itself (the index is ~12 bytes per document) and different for
-    any other tokenization or document set.
+    ``content_sha256`` (:attr:`IndexedDataset.content_sha256`: document sizes and sampled
+    tokens, the same for a rewrite in the other format or token dtype) identifies the data;
+    the index's sha256 and the ``.bin`` size are kept as well, the identity checkpoints
+    written before ``content_sha256`` recorded.  Cheap next to the data itself (the index is
+    ~12 bytes per document) and different for any other tokenization or document set.
     """
     h = hashlib.sha256()
     with open(prefix + ".idx", "rb") as f:
         for block in iter(lambda: f.read(1 << 22), b""):
             h.update(block)
-    return {"idx_sha256": h.hexdigest(), "bin_bytes": os.path.getsize(prefix + ".bin")}
+    return {"idx_sha256": h.hexdigest(), "bin_bytes": os.path.getsize(prefix + ".bin"),
+            "content_sha256": IndexedDataset(prefix).content_sha256}

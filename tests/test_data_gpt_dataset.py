@@ -3,7 +3,9 @@
 from __future__ import annotations
 
 import bisect
+import hashlib
 import itertools
+import shutil
 import zlib
 from pathlib import Path
 
@@ -45,11 +47,20 @@ def corpus(tmp_path_factory: pytest.TempPathFactory) -> tuple[str, list[list[int
     return write(tmp_path_factory.mktemp("gpt") / "corpus", docs), docs
 
 
+def reference_content_key(docs: list[list[int]], part: str) -> int:
+    """Data order 2's shuffle key of a small corpus (every token hashed), from the specification."""
+    numbers = [len(docs), sum(map(len, docs))] + [len(d) for d in docs] + [t for d in docs for t in d]
+    content = hashlib.sha256(b"gpt-data-content-v1" + np.array(numbers, "<i8").tobytes()).hexdigest()
+    return int.from_bytes(hashlib.sha256(f"{content}/{part}".encode()).digest()[:8], "little")
+
+
 def reference_epoch(
-    docs: list[list[int]], doc_ids: list[int], seed: int, epoch: int, name: str
+    docs: list[list[int]], doc_ids: list[int], seed: int, epoch: int, name: str | int
 ) -> tuple[list[int], np.ndarray]:
-    """(stream, sample order) of one epoch, written out from the specification."""
-    rng = np.random.default_rng([seed, epoch, zlib.crc32(name.encode())])
+    """(stream, sample order) of one epoch, written out from the specification; ``name`` is
+    the shuffle key, or a name whose CRC-32 is (data order 1)."""
+    key = name if isinstance(name, int) else zlib.crc32(name.encode())
+    rng = np.random.default_rng([seed, epoch, key])
     stream: list[int] = []
     for position in rng.permutation(len(doc_ids)):
         stream += docs[doc_ids[position]]
@@ -58,7 +69,7 @@ def reference_epoch(
 
 
 def reference_sample(
-    docs: list[list[int]], doc_ids: list[int], seed: int, index: int, name: str
+    docs: list[list[int]], doc_ids: list[int], seed: int, index: int, name: str | int
 ) -> list[int]:
     tokens = sum(len(docs[d]) for d in doc_ids)
     epoch, j = divmod(index, (tokens - 1) // SEQ_LEN)
@@ -219,21 +230,27 @@ def test_build_datasets(tmp_path: Path) -> None:
     paths = [write(tmp_path / "a", docs_a), write(tmp_path / "b", docs_b)]
     train, valid = build_datasets(paths, [2, 1], [0.75, 0.25], SEQ_LEN, SEED)
     sources = {"a": (docs_a, list(range(30))), "b": (docs_b, list(range(15)))}
+    keys = {
+        (n, part): reference_content_key(docs, part)
+        for n, docs in (("a", docs_a), ("b", docs_b))
+        for part in ("train", "valid")
+    }
     seen = {"a": 0, "b": 0}
     for index in range(300):
         sample = train.sample(index).tolist()
-        name = "a" if sample == reference_sample(*sources["a"], SEED, seen["a"], "a/train") else "b"
-        assert sample == reference_sample(*sources[name], SEED, seen[name], f"{name}/train")
+        a = reference_sample(*sources["a"], SEED, seen["a"], keys["a", "train"])
+        name = "a" if sample == a else "b"
+        assert sample == reference_sample(*sources[name], SEED, seen[name], keys[name, "train"])
         seen[name] += 1
     assert seen == {"a": 200, "b": 100}
     assert valid.sample(0).tolist() in (
-        reference_sample(docs_a, list(range(30, 40)), SEED, 0, "a/valid"),
-        reference_sample(docs_b, list(range(15, 20)), SEED, 0, "b/valid"),
+        reference_sample(docs_a, list(range(30, 40)), SEED, 0, keys["a", "valid"]),
+        reference_sample(docs_b, list(range(15, 20)), SEED, 0, keys["b", "valid"]),
     )
     single_train, no_valid = build_datasets(paths[:1], None, [1, 0], SEQ_LEN, SEED)
     assert no_valid is None
     assert single_train.sample(7).tolist() == reference_sample(
-        docs_a, list(range(40)), SEED, 7, "a/train"
+        docs_a, list(range(40)), SEED, 7, keys["a", "train"]
     )
 
 
@@ -256,3 +273,65 @@ def test_errors(tmp_path: Path) -> None:
         build_datasets([path, wide], None, [1, 0], SEQ_LEN, SEED)
     with pytest.raises(DataError, match="missing.idx"):
         build_datasets([str(tmp_path / "missing")], None, [1, 0], SEQ_LEN, SEED)
+
+
+def first_samples(paths: list[str], count: int = 200, **kwargs: object) -> list[list[int]]:
+    train = build_datasets(paths, None, [1, 0], SEQ_LEN, SEED, **kwargs)[0]  # type: ignore[arg-type]
+    return [train.sample(i).tolist() for i in range(count)]
+
+
+def test_the_same_data_under_another_name_gives_the_same_samples(tmp_path: Path) -> None:
+    """Issue 17: the order follows the content, not the name (it used to follow the basename)."""
+    a = write(tmp_path / "x" / "corpus", make_docs(7, 50))
+    b = str(tmp_path / "y" / "renamed")
+    (tmp_path / "y").mkdir()
+    for ext in (".bin", ".idx"):
+        shutil.copy(a + ext, b + ext)
+    assert first_samples([b]) == first_samples([a])
+    assert first_samples([b, a]) == first_samples([a, b])  # a blend of two copies too
+
+
+def test_different_data_of_identical_index_gets_another_order(tmp_path: Path) -> None:
+    """Equal document sizes give byte-identical .idx files (pre-chunked data): the tokens still
+    tell the two apart, in the shuffling and in the content hash."""
+    docs = make_docs(8, 50)
+    same_sizes = [[(t % 998) + 1 for t in doc[:-1]] + [EOD] for doc in docs]
+    a, b = write(tmp_path / "a", docs), write(tmp_path / "b", same_sizes)
+    assert Path(a + ".idx").read_bytes() == Path(b + ".idx").read_bytes()
+    content = [IndexedDataset(p).content_sha256 for p in (a, b)]
+    assert content[0] != content[1]
+    blend = build_datasets([a, b], [1, 1], [1, 0], SEQ_LEN, SEED)[0]
+    keys = [d.key for d in blend.datasets]  # type: ignore[attr-defined]
+    assert keys == [reference_content_key(docs, "train"), reference_content_key(same_sizes, "train")]
+    assert keys[0] != keys[1]
+
+
+def test_content_hash_of_a_large_corpus_samples_spread_blocks(tmp_path: Path) -> None:
+    """Over 65,536 tokens: the sizes and 64 blocks of 1,024 tokens, as specified."""
+    rng = np.random.default_rng(9)
+    docs = [rng.integers(1, 1000, int(rng.integers(100, 3000))).tolist() + [EOD] for _ in range(60)]
+    path = write(tmp_path / "big", docs)
+    stream = [t for d in docs for t in d]
+    total = len(stream)
+    assert total > 65536
+    starts = [k * (total - 1024) // 63 for k in range(64)]
+    numbers = [len(docs), total] + [len(d) for d in docs]
+    numbers += [t for s in starts for t in stream[s : s + 1024]]
+    expected = hashlib.sha256(b"gpt-data-content-v1" + np.array(numbers, "<i8").tobytes())
+    assert IndexedDataset(path).content_sha256 == expected.hexdigest()
+
+
+def test_seed_names_give_data_order_1(tmp_path: Path) -> None:
+    """What checkpoints written before issue 17 read: each file shuffled by CRC-32 of its
+    basename and part, whatever its name is now."""
+    docs = make_docs(10, 40)
+    path = write(tmp_path / "renamed", docs)
+    train, valid = build_datasets([path], None, [0.75, 0.25], SEQ_LEN, SEED, seed_names=["orig"])
+    assert valid is not None
+    for i in range(0, 300, 7):
+        assert train.sample(i).tolist() == reference_sample(docs, list(range(30)), SEED, i, "orig/train")
+    assert valid.sample(3).tolist() == reference_sample(
+        docs, list(range(30, 40)), SEED, 3, "orig/valid"
+    )
+    with pytest.raises(DataError, match="1 data paths but 2 seed names"):
+        build_datasets([path], None, [1, 0], SEQ_LEN, SEED, seed_names=["a", "b"])

@@ -341,7 +341,7 @@ def test_training_on_a_megatron_pair_gives_the_same_curve(tmp_path: Path, megatr
     from tests.test_train_e2e import FAST, losses_by_step, records, run_train
 
     ours = IndexedDataset("data/sample/sample_text_document")
-    prefix = tmp_path / "sample_text_document"  # same basename: shuffling is seeded by it
+    prefix = tmp_path / "megatron_rewrite"  # any name: shuffling follows the content
     builder = megatron_indexed.IndexedDatasetBuilder(f"{prefix}.bin", dtype=np.uint16)
     for i in range(ours.num_docs):
         doc = torch.from_numpy(ours.doc(i).astype(np.int64))

@@ -12,17 +12,19 @@ run restores the number and so sees exactly the tokens it would have seen.
 from __future__ import annotations
 
 import json
+import operator
 import os
 import time
 from datetime import datetime
 from pathlib import Path
-from typing import Any, Callable, Dict, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
+import numpy as np
 import torch
 import torch.distributed as dist
 
 from config import Config, to_yaml, validate_config
-from data.gpt_dataset import Sampleable, build_datasets, get_batch
+from data.gpt_dataset import DATA_ORDER, Sampleable, build_datasets, get_batch
 from data.indexed import DataError, fingerprint
 from data.tokenizer import Tokenizer
 from model.flops import flops_per_token, parameter_count
@@ -38,16 +40,20 @@ from training.stop import StopFlag
 
 
 class DivergedError(RuntimeError):
-    """Training cannot go on: non-finite gradients for too many steps, or the fp16 loss-scale floor reached."""
+    """Training cannot go on: non-finite gradients for too many steps, the fp16 loss-scale floor reached, or a run
+    that reached train.max_steps without taking one step (all skipped: non-finite weights, a scale that overflows)."""
 
 
-def check_data(cfg: Config) -> Tuple[Sampleable, Optional[Sampleable]]:
+def check_data(cfg: Config, seed_names: Optional[List[str]] = None) -> Tuple[Sampleable, Optional[Sampleable]]:
+    """Train and valid streams of the run's data, in data order 2, or 1 seeded by ``seed_names`` (see
+    data/gpt_dataset.py: a checkpoint written in order 1 goes on in it)."""
     tok = Tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(f"tokenizer {cfg.data.tokenizer} has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
     return build_datasets(list(cfg.data.paths), list(cfg.data.weights) if cfg.data.weights else None,
-                          list(cfg.data.split), cfg.model.seq_len, cfg.train.seed, vocab_size=tok.vocab_size)
+                          list(cfg.data.split), cfg.model.seq_len, cfg.train.seed, vocab_size=tok.vocab_size,
+                          seed_names=seed_names)
 
 
 def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> Callable[[int], tuple]:
@@ -108,23 +114,24 @@ def _lock(dirs, mesh: Mesh) -> Optional[RunLock]:
     return lock
 
 
-def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path], int]:
-    """Load the checkpoint to start from, if any; returns it and the samples consumed."""
+def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path], int, Optional[List[str]]]:
+    """Load the checkpoint to start from, if any; returns it, the samples consumed and, when it reads its data in
+    data order 1, the names that seed that order (None: order 2)."""
     start = None
     if cfg.checkpoint.load:
         start = Path(cfg.checkpoint.load)
         if _weights_only(start):  # e.g. scripts/import_hf.py's output: nothing to resume but its weights
             _init_from(cfg, ckpt, mesh, start, "checkpoint.load")
-            return None, 0
+            return None, 0, None
     elif cfg.checkpoint.resume:
         start = ckpt.find_resumable()
     if start is None:
         if cfg.checkpoint.init_from:
             _init_from(cfg, ckpt, mesh, Path(cfg.checkpoint.init_from), "checkpoint.init_from")
-        return None, 0
+        return None, 0, None
     meta = ckpt.load(start)
-    _check_same_data(meta, ckpt.data_fingerprint, cfg, start, mesh)
-    return start, meta["consumed_samples"]
+    seed_names = _check_same_data(meta, ckpt.data_fingerprint, cfg, start, mesh)
+    return start, meta["consumed_samples"], seed_names
 
 
 def _weights_only(path: Path) -> bool:
@@ -153,29 +160,82 @@ def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh, given: Path, key: st
               "fresh optimizer, step 0", flush=True)
 
 
-def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, path: Path, mesh: Mesh) -> None:
-    """A resumed run must read what the checkpoint's run read, or its data position means nothing."""
+def _same_content(then: Dict[str, Any], now: Dict[str, Any]) -> bool:
+    """Whether two data files' fingerprints (data.indexed.fingerprint) name the same data: by content where both
+    record it, else (checkpoints from before content_sha256) by index hash and size."""
+    if "content_sha256" in then and "content_sha256" in now:
+        return then["content_sha256"] == now["content_sha256"]
+    return (then.get("idx_sha256"), then.get("bin_bytes")) == (now.get("idx_sha256"), now.get("bin_bytes"))
+
+
+def _blend(weights: Optional[List[float]], files: int) -> Optional[List[float]]:
+    """What blend weights mean to the sample stream: nothing for one file, else their normalised values (as
+    data.gpt_dataset.BlendedDataset computes them)."""
+    if weights is None or files == 1:
+        return None
+    w = np.asarray(weights, dtype=np.float64)
+    return (w / w.sum()).tolist()
+
+
+def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, path: Path,
+                     mesh: Mesh) -> Optional[List[str]]:
+    """A resumed run must read what the checkpoint's run read, or its data position means nothing.
+
+    Refused (unless checkpoint.on_data_change=warn): other data files (by content: the same files moved or renamed
+    are the same data), train.seed, data.split, data.weights or model.seq_len (the samples themselves), or a data
+    order this version does not know. A changed train.global_batch_size is only reported: the run goes on reading
+    the same sample stream from the same sample, so nothing is skipped or read twice (batch-size ramps need it).
+    Returns the names seeding data order 1 when the checkpoint reads its data in that order (written before
+    content-seeded shuffling, or resumed from such a one), so the run goes on in it; None for order 2."""
     then = meta.get("data")
+    config = meta.get("config") or {}
     if then is None:
         problems = ["the checkpoint records no data fingerprint (written by an older version)"]
+        order = 1
     else:
-        keys = {"seed": "train.seed", "split": "data.split", "weights": "data.weights"}
-        problems = [f"{key}: checkpoint {then.get(k)!r} vs now {now[k]!r}" for k, key in keys.items()
-                    if then.get(k) != now[k]]
+        order = then.get("order", 1)
+        # Checkpoints from before seq_len entered the fingerprint have it in their config.
+        then_seq = then.get("seq_len", (config.get("model") or {}).get("seq_len"))
+        settings = [("train.seed", then.get("seed"), now["seed"]), ("data.split", then.get("split"), now["split"]),
+                    ("data.weights", then.get("weights"), now["weights"]),
+                    ("model.seq_len", then_seq, now["seq_len"])]
+        same = {"data.weights": lambda old, new: _blend(old, len(now["files"])) == _blend(new, len(now["files"])),
+                "model.seq_len": lambda old, new: old is None or old == new}  # None: not recorded
+        problems = [f"{key}: checkpoint {old!r} vs now {new!r}" for key, old, new in settings
+                    if not same.get(key, operator.eq)(old, new)]
         old_files, new_files = then.get("files", []), now["files"]
-        if [f["content"] for f in old_files] != [f["content"] for f in new_files]:
+        if len(old_files) != len(new_files) or not all(
+                _same_content(a["content"], b["content"]) for a, b in zip(old_files, new_files)):
             problems.append(f"data files: checkpoint read {[f['path'] for f in old_files]}, this run reads "
                             f"{[f['path'] for f in new_files]} and their contents differ")
-    if not problems:
-        return
-    msg = (f"checkpoint {path} was trained on other data ({'; '.join(problems)})" if then is not None else
-           f"checkpoint {path} records no data fingerprint (older version): its data cannot be checked")
-    if cfg.checkpoint.on_data_change == "error" and then is not None:
-        raise CheckpointError(msg + ": its data position would not mean the same samples. Use the original "
-                              "data.paths/train.seed, or set checkpoint.on_data_change=warn to continue anyway")
+        if not 1 <= order <= DATA_ORDER:
+            problems.append(f"data order: checkpoint {order!r}, this version reads orders 1 to {DATA_ORDER} "
+                            "(written by a newer version?)")
+            order = DATA_ORDER
+    if problems:
+        msg = (f"checkpoint {path} was trained on other data ({'; '.join(problems)})" if then is not None else
+               f"checkpoint {path} records no data fingerprint (older version): its data cannot be checked")
+        if cfg.checkpoint.on_data_change == "error" and then is not None:
+            raise CheckpointError(msg + ": its data position would not mean the same samples. Use the checkpoint's "
+                                  "settings, or set checkpoint.on_data_change=warn to continue anyway")
+        if mesh.rank == 0:
+            print(f"[checkpoint] WARNING: {msg}; continuing (checkpoint.on_data_change="
+                  f"{cfg.checkpoint.on_data_change})", flush=True)
+    gbs_then = (then or {}).get("global_batch_size", (config.get("train") or {}).get("global_batch_size"))
+    if mesh.rank == 0 and gbs_then is not None and gbs_then != cfg.train.global_batch_size:
+        print(f"[checkpoint] train.global_batch_size: checkpoint {gbs_then} vs now {cfg.train.global_batch_size}; "
+              f"the run reads on from sample {meta['consumed_samples']} of the same sample stream (nothing skipped "
+              f"or read twice), {cfg.train.global_batch_size} a step", flush=True)
+    if order != 1:
+        return None
+    # Data order 1: seeded by the basenames the checkpoint's run used, wherever the files are now.
+    recorded = (then or {}).get("seed_names") or [os.path.basename(f["path"]) for f in (then or {}).get("files", [])]
+    names = recorded if len(recorded) == len(now["files"]) else [os.path.basename(f["path"]) for f in now["files"]]
     if mesh.rank == 0:
-        print(f"[checkpoint] WARNING: {msg}; continuing (checkpoint.on_data_change={cfg.checkpoint.on_data_change})",
-              flush=True)
+        print(f"[checkpoint] {path} reads its data in data order 1 (each file shuffled by its name {names}, as "
+              "before shuffling by content): the run goes on in that order, so its data position means the same "
+              "samples", flush=True)
+    return names
 
 
 def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, Any]:
@@ -183,7 +243,10 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
     engine = Engine(cfg, mesh)
     ckpt = Checkpointer(cfg, str(ckpt_dir), engine)
     ckpt.data_fingerprint = comm.broadcast_object(data_fingerprint(cfg) if main else None, 0, mesh.world)
-    start, consumed = _resume(cfg, ckpt, mesh)
+    start, consumed, seed_names = _resume(cfg, ckpt, mesh)
+    if seed_names is not None:  # the checkpoint's data order 1 goes on, and the run's checkpoints say so
+        train_ds, valid_ds = check_data(cfg, seed_names)
+        ckpt.data_fingerprint = {**ckpt.data_fingerprint, "order": 1, "seed_names": seed_names}
     logger = MetricsLogger(cfg, run_dir, enabled=main, resume_step=engine.step)
     if main:
         (run_dir / "config.yaml").write_text(to_yaml(cfg))
@@ -207,6 +270,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
     window_time, window_steps, last_saved = 0.0, 0, engine.step if start else -1
     state_bytes = None
     good, streak = start, 0  # last checkpoint saved outside a streak of skipped steps; the streak's length
+    progressed, first_step = False, engine.step + 1  # whether a step of this process was taken (not skipped)
     reason = _should_stop(stop, began, t.time_limit_minutes, mesh)  # a signal during start-up stops here
     while not reason and engine.step < t.max_steps:
         mesh.ledger.reset()
@@ -217,9 +281,8 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
         try:
             stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh))
         except FloatingPointError as e:
-            raise DivergedError(f"training diverged at step {engine.step + 1}: {e}; last good checkpoint: "
-                                f"{good or 'none'}" + (f" (resume from it with checkpoint.load={good})" if good
-                                                       else "")) from None
+            raise DivergedError(f"training diverged at step {engine.step + 1}: {e}; "
+                                + _last_good(good, start, progressed)) from None
         if device.type == "cuda":
             torch.cuda.synchronize()
         window_time += time.perf_counter() - t0
@@ -236,6 +299,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
         consumed += g
         step = engine.step
         streak = streak + 1 if stats["skipped"] else 0
+        progressed = progressed or not stats["skipped"]
         if stats["skipped"] and main:
             print(f"[train] step {step}: non-finite gradients (norm {stats['grad_norm']}), step skipped; "
                   f"loss scale {stats['loss_scale']:g} -> {engine.scaler.scale:g}", flush=True)
@@ -254,15 +318,31 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
             logger.log({"step": step, "quant_error": engine.dp.quant_error()})
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0:
+        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and progressed:
             good = _save(ckpt, step, consumed, good, streak)
             last_saved = step
         reason = _should_stop(stop, began, t.time_limit_minutes, mesh)
-    if cfg.checkpoint.save_at_exit and last_saved != engine.step and engine.step > 0:
+    if engine.step >= first_step and not progressed:  # steps ran, all skipped: nothing to save, nothing learnt
+        what = (f"every step since {'resuming from ' + str(start) if start else 'the start'} (steps {first_step}-"
+                f"{engine.step}) had non-finite gradients (last loss {stats['loss']:g})")
+        if reason is None:  # the run is over and never took a step: a failure, not a result
+            raise DivergedError(f"training diverged: {what}; " + _last_good(good, start, progressed))
+        if main:
+            print(f"[train] {what}: nothing saved", flush=True)
+    elif cfg.checkpoint.save_at_exit and last_saved != engine.step and engine.step > 0:
         _save(ckpt, engine.step, consumed, good, streak)
     if main:
         print(f"[train] stopped at step {engine.step} ({reason or 'max_steps'})", flush=True)
     return {"step": engine.step, "reason": reason or "max_steps", "run_dir": str(run_dir)}
+
+
+def _last_good(good: Optional[Path], start: Optional[Path], progressed: bool) -> str:
+    """The end of a divergence message: the checkpoint to go back to, if any."""
+    if start is not None and not progressed:  # resuming from it gave nothing but non-finite gradients
+        return (f"no step since resuming from {start} was finite, so nothing was saved (its weights or optimizer "
+                "state may not be finite: resume from an earlier checkpoint with checkpoint.load=...)")
+    return f"last good checkpoint: {good or 'none'}" + (
+        f" (resume from it with checkpoint.load={good})" if good else "; nothing was saved" if not progressed else "")
 
 
 def _save(ckpt: Checkpointer, step: int, consumed: int, good: Optional[Path], streak: int) -> Optional[Path]:
@@ -273,9 +353,11 @@ def _save(ckpt: Checkpointer, step: int, consumed: int, good: Optional[Path], st
 
 
 def data_fingerprint(cfg: Config) -> Dict[str, Any]:
-    """What decides the samples a data position stands for: file contents, split, weights and seed."""
-    return {"seed": cfg.train.seed, "split": list(cfg.data.split),
-            "weights": list(cfg.data.weights) if cfg.data.weights else None,
+    """What decides the samples a data position stands for: data order version, file contents, split, weights,
+    seed and sequence length; and the global batch (a change is reported, not refused)."""
+    return {"order": DATA_ORDER, "seed": cfg.train.seed, "split": list(cfg.data.split),
+            "weights": list(cfg.data.weights) if cfg.data.weights else None, "seq_len": cfg.model.seq_len,
+            "global_batch_size": cfg.train.global_batch_size,
             "files": [{"path": p, "content": fingerprint(p)} for p in cfg.data.paths]}
 
 
