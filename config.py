@@ -26,6 +26,45 @@ class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or inconsistent."""
 
 
+# Ceilings of the sizes, counts and intervals that allocate or loop (``validate_config`` checks each, one line
+# per field). Each sits one or more orders of magnitude above any published configuration, so only a typo or a
+# unit mistake reaches one -- which would otherwise pass validation and die later in an allocation traceback,
+# a near-endless loop, or a run whose every step is skipped.
+MAX_SEQ_LEN = 2**20
+"""model.seq_len and model.max_seq_len (the rotary table's positions; also the ceiling of an imported model's
+max_position_embeddings): 1M tokens, 8x Llama 3.1's 128k. Without context parallelism one rank's attention holds
+the whole sequence, and the table alone is 0.5 GiB at head_dim 128."""
+MAX_VOCAB_SIZE = 2**22
+"""model.vocab_size: 16x the largest published vocabulary (about 256k)."""
+MAX_D_MODEL = 2**17
+"""model.d_model: 6x the widest published dense model (20,480); model.ffn_hidden is bounded by 4x this."""
+MAX_LAYERS = 2**12
+"""model.n_layers: 4x the deepest Transformer trained (DeepNet, 1,000 layers); GPTs have <= 128."""
+MAX_GLOBAL_BATCH = 2**20
+"""train.global_batch_size, in sequences: 16x the largest published batch (LAMB's 65,536)."""
+MAX_MICRO_BATCH_TOKENS = 2**24
+"""train.micro_batch_size x model.seq_len: tokens one rank holds activations for at once (real runs: <= 2**17)."""
+MAX_EVAL_ITERS = 2**16
+"""train.eval_iters: global batches per validation (Megatron's default is 100)."""
+MAX_AMAX_HISTORY = 2**16
+"""fp8.amax_history_len: 64x Transformer Engine's default (1024); one fp32 each per FP8 tensor."""
+MAX_FP8_MARGIN = 32
+"""fp8.margin: E5M2 spans 2**-16 .. 2**15.8, so a larger margin flushes every value of both formats to zero."""
+MU_RANGE = (2.0**-64, 2.0**64)
+"""fp8.mu_initial: the range fp8.grad_comm.AutoScale keeps mu in (mu * g must stay finite in fp32)."""
+MAX_LOSS_SCALE = 2.0**64
+"""loss_scale.initial: 2**32 times Megatron's default initial scale (2**32); each halving costs a skipped step."""
+MAX_QUANT_BLOCK = 2**16
+"""zero.quant_block: 512x the default (128); every qgZ shard is zero-padded to a multiple of
+quant_block x qgz_stages."""
+MAX_QGZ_STAGES = 64
+"""zero.qgz_stages: chunks a qgZ reduce is pipelined in (ZeRO++ uses a handful), one all-to-all pair each."""
+MAX_BUCKET_MB = 2.0**20
+"""parallel.bucket_mb: 1 TiB, larger than any model's gradients (a bucket never exceeds them)."""
+MAX_TIMEOUT_S = 7 * 24 * 3600.0
+"""parallel.timeout_s: a week; a collective stuck longer is a hang (and ~1e9 s overflows C++ clocks)."""
+
+
 @dataclass
 class ModelConfig:
     n_layers: int = 4
@@ -38,9 +77,9 @@ class ModelConfig:
     """Key/value heads (grouped-query attention); default n_heads (multi-head attention). Must divide
     n_heads; split over TP when divisible by parallel.tp, else replicated (parallel.tp a multiple of it)."""
     seq_len: int = 128
-    """Training sequence length in tokens."""
+    """Training sequence length in tokens (at most MAX_SEQ_LEN = 2**20)."""
     max_seq_len: Optional[int] = None
-    """The model's maximum sequence length (rotary table size); defaults to seq_len."""
+    """The model's maximum sequence length (rotary table size); defaults to seq_len; at most MAX_SEQ_LEN = 2**20."""
     vocab_size: int = 4096
     """Embedding rows (padded vocabulary); must cover the tokenizer's vocabulary."""
     ffn_hidden: Optional[int] = None
@@ -100,11 +139,11 @@ class ParallelConfig:
     ranks_per_node: Optional[int] = None
     """Ranks per node; default from the launcher (LOCAL_WORLD_SIZE / SLURM). Lets one machine simulate nodes."""
     bucket_mb: float = 25.0
-    """Gradient all-reduce bucket size for data parallelism, in MiB."""
+    """Gradient all-reduce bucket size for data parallelism, in MiB (> 0, at most 2**20)."""
     overlap_grad_reduce: bool = True
     """Launch each gradient bucket's all-reduce as soon as it is ready during backward."""
     timeout_s: float = 600.0
-    """Collective timeout; a stuck or dead peer fails the job after this long."""
+    """Collective timeout in seconds (at most a week); a stuck or dead peer fails the job after this long."""
 
 
 @dataclass
@@ -136,9 +175,10 @@ class ZeroConfig:
     gradient_bits: int = 4
     """qgZ bits per gradient: 4 | 8."""
     quant_block: int = 128
-    """qwZ / qgZ quantization block: consecutive values sharing one fp32 scale (even, >= 2)."""
+    """qwZ / qgZ quantization block: consecutive values sharing one fp32 scale (even, 2 to 2**16)."""
     qgz_stages: int = 2
-    """qgZ pipeline stages: the buffer is cut in this many chunks so the intra- and inter-node hops overlap."""
+    """qgZ pipeline stages: the buffer is cut in this many chunks so the intra- and inter-node hops overlap
+    (1 to 64)."""
     qgz_min_numel: int = 4096
     """qgZ size threshold (elements of a block's padded gradient buffer): smaller buffers take the plain
     reduce-scatter, by rule, in the trainer and in the analytic byte counts alike."""
@@ -158,11 +198,11 @@ class Fp8Config:
     """Per-tensor scales of activations, weights and output gradients: delayed (from an amax history, reduced
     over TP and DP once per step) | current (from the tensor itself, its amax reduced over TP first)."""
     amax_history_len: int = 16
-    """Delayed scaling: steps of amax history kept per tensor."""
+    """Delayed scaling: steps of amax history kept per tensor (1 to 2**16)."""
     amax_compute: str = "max"
     """Delayed scaling: max (of the history) | most_recent."""
     margin: int = 0
-    """Scales are max(format) / amax / 2**margin."""
+    """Scales are max(format) / amax / 2**margin (0 to 32)."""
     power_of_two_scales: bool = False
     """Round activation/weight/gradient scales down to a power of two."""
     gradient_format: str = "e5m2"
@@ -175,7 +215,7 @@ class Fp8Config:
     """Quantize/dequantize around bf16 GEMMs instead of FP8 GEMMs: numerics of FP8 on GPUs without FP8
     (V100, A100); no speed-up."""
     mu_initial: float = 1.0
-    """Gradient auto-scaling factor mu at the start (FP8-LM 2.1)."""
+    """Gradient auto-scaling factor mu at the start (FP8-LM 2.1); 2**-64 to 2**64, the range mu moves in."""
     mu_overflow_threshold: float = 1e-5
     """Halve mu when more than this fraction (1e-5 = 0.001 %) of the reduced FP8 gradient hits the format max."""
     mu_growth_interval: int = 1000
@@ -215,7 +255,7 @@ class TrainConfig:
     eval_interval: int = 50
     """Run validation every this many steps (0 = never)."""
     eval_iters: int = 4
-    """Global batches per validation."""
+    """Global batches per validation (1 to 2**16)."""
     time_limit_minutes: Optional[float] = None
     """Stop (saving a checkpoint) once this much wall-clock time has passed."""
 
@@ -223,9 +263,9 @@ class TrainConfig:
 @dataclass
 class LossScaleConfig:
     initial: float = 65536.0
-    """Starting loss scale for fp16."""
+    """Starting loss scale for fp16 (at most 2**64)."""
     growth_interval: int = 1000
-    """Double the scale after this many steps without inf/nan."""
+    """Double the scale after this many steps without inf/nan (>= 1)."""
     min_scale: float = 1.0
     """Never halve below this; reaching it with overflow is an error."""
 
@@ -265,8 +305,8 @@ class CheckpointConfig:
     *.corrupt-*, or a 'latest' naming a missing one). Off: such a run stops with an error instead of
     silently training from scratch over them; the unusable ones are then renamed aside, never deleted."""
     on_data_change: str = "error"
-    """When a resumed run's data (files, split, weights) or train.seed differ from the checkpoint's
-    fingerprint: error (refuse to start) | warn (print a warning and continue)."""
+    """When a resumed run's data (file contents, split, weights, data order), train.seed or model.seq_len differ
+    from the checkpoint's fingerprint: error (refuse to start) | warn (print a warning and continue)."""
 
 
 @dataclass
@@ -400,6 +440,14 @@ def _get(cfg: Config, dotted: str):
     return obj
 
 
+def _bound(x) -> str:
+    """A range end for a message: an int as it is, a power of two beyond 2**±10 as 2**k, else %g."""
+    if isinstance(x, int):
+        return str(x)
+    mantissa, exp = math.frexp(x)
+    return f"2**{exp - 1}" if mantissa == 0.5 and abs(exp - 1) > 10 else f"{x:g}"
+
+
 def validate_config(cfg: Config) -> None:
     """Checks that need no knowledge of the launch: choices, ranges, numbers against each other."""
     errors = []
@@ -408,13 +456,29 @@ def validate_config(cfg: Config) -> None:
         if not ok:
             errors.append(msg)
 
+    def within(key: str, lo, hi, why: str) -> None:
+        """One line when the value of ``key`` is outside [lo, hi] (or not a finite number)."""
+        value = _get(cfg, key)
+        need((isinstance(value, int) or math.isfinite(value)) and lo <= value <= hi,
+             f"{key}={value} must be in [{_bound(lo)}, {_bound(hi)}] ({why})")
+
     for key, choices in _CHOICES.items():
         need(_get(cfg, key) in choices, f"{key}={_get(cfg, key)!r} is not one of {list(choices)}")
     m, t = cfg.model, cfg.train
-    for key in ("model.n_layers", "model.d_model", "model.n_heads", "model.seq_len", "model.vocab_size",
-                "train.max_steps", "train.micro_batch_size", "train.global_batch_size",
+    for key in ("model.n_heads", "train.max_steps", "train.micro_batch_size",
                 "parallel.tp", "parallel.pp", "parallel.virtual_stages", "logging.interval"):
         need(_get(cfg, key) >= 1, f"{key}={_get(cfg, key)} must be >= 1")
+    within("model.n_layers", 1, MAX_LAYERS, "config.MAX_LAYERS")
+    within("model.d_model", 1, MAX_D_MODEL, "config.MAX_D_MODEL")
+    within("model.vocab_size", 1, MAX_VOCAB_SIZE, "config.MAX_VOCAB_SIZE")
+    within("model.seq_len", 1, MAX_SEQ_LEN, "config.MAX_SEQ_LEN")
+    if m.max_seq_len is not None:
+        within("model.max_seq_len", 1, MAX_SEQ_LEN, "config.MAX_SEQ_LEN: the rotary table holds this many positions")
+    within("train.global_batch_size", 1, MAX_GLOBAL_BATCH, "config.MAX_GLOBAL_BATCH sequences")
+    need(t.micro_batch_size * m.seq_len <= MAX_MICRO_BATCH_TOKENS,
+         f"train.micro_batch_size={t.micro_batch_size} x model.seq_len={m.seq_len} = "
+         f"{t.micro_batch_size * m.seq_len} tokens per micro-batch exceeds {MAX_MICRO_BATCH_TOKENS} "
+         f"(config.MAX_MICRO_BATCH_TOKENS)")
     if m.n_heads >= 1:
         need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
         need(m.head_dim % 2 == 0,
@@ -425,20 +489,25 @@ def validate_config(cfg: Config) -> None:
                  f"the same number of query heads)")
     need(m.seq_len <= m.max_positions,
          f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
-    need(m.ffn_size >= 1, f"model.ffn_hidden={m.ffn_hidden} must be >= 1")
+    if m.ffn_hidden is not None:
+        within("model.ffn_hidden", 1, 4 * MAX_D_MODEL, "4 x config.MAX_D_MODEL")
     for key in ("model.dropout", "model.attention_dropout"):
         need(0.0 <= _get(cfg, key) < 1.0, f"{key}={_get(cfg, key)} must be in [0, 1)")
     need(t.lr > 0, f"train.lr={t.lr} must be > 0")
     need(math.isfinite(t.lr), f"train.lr={t.lr} must be a finite number")
-    need(math.isfinite(cfg.parallel.timeout_s) and cfg.parallel.timeout_s > 0,
-         f"parallel.timeout_s={cfg.parallel.timeout_s} must be a finite number of seconds > 0")
+    need(math.isfinite(cfg.parallel.timeout_s) and 0 < cfg.parallel.timeout_s <= MAX_TIMEOUT_S,
+         f"parallel.timeout_s={cfg.parallel.timeout_s} must be a finite number of seconds > 0 and <= "
+         f"{MAX_TIMEOUT_S:g} (config.MAX_TIMEOUT_S, a week)")
+    need(math.isfinite(cfg.parallel.bucket_mb) and 0 < cfg.parallel.bucket_mb <= MAX_BUCKET_MB,
+         f"parallel.bucket_mb={cfg.parallel.bucket_mb} must be in (0, {_bound(MAX_BUCKET_MB)}] MiB "
+         "(config.MAX_BUCKET_MB)")
     need(0.0 <= t.min_lr_ratio <= 1.0, f"train.min_lr_ratio={t.min_lr_ratio} must be in [0, 1]")
     need(t.warmup_steps >= 0, f"train.warmup_steps={t.warmup_steps} must be >= 0")
     need(t.decay_steps is None or t.decay_steps > t.warmup_steps,
          f"train.decay_steps={t.decay_steps} must exceed train.warmup_steps={t.warmup_steps}")
     need(t.grad_clip >= 0, f"train.grad_clip={t.grad_clip} must be >= 0")
-    need(t.eval_interval >= 0 and t.eval_iters >= 1,
-         f"train.eval_interval={t.eval_interval} must be >= 0 and train.eval_iters={t.eval_iters} >= 1")
+    need(t.eval_interval >= 0, f"train.eval_interval={t.eval_interval} must be >= 0")
+    within("train.eval_iters", 1, MAX_EVAL_ITERS, "config.MAX_EVAL_ITERS global batches per validation")
     need(t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size}")
@@ -452,6 +521,11 @@ def validate_config(cfg: Config) -> None:
          "other: load resumes a run (optimizer and step), init_from starts one from weights only")
     need(cfg.loss_scale.initial >= cfg.loss_scale.min_scale > 0,
          f"loss_scale.initial={cfg.loss_scale.initial} must be >= loss_scale.min_scale={cfg.loss_scale.min_scale} > 0")
+    need(not cfg.loss_scale.initial > MAX_LOSS_SCALE,  # nan: named by the line above
+         f"loss_scale.initial={cfg.loss_scale.initial} must be <= {_bound(MAX_LOSS_SCALE)} (config.MAX_LOSS_SCALE; "
+         f"every halving from a larger start is a skipped step)")
+    need(cfg.loss_scale.growth_interval >= 1,
+         f"loss_scale.growth_interval={cfg.loss_scale.growth_interval} must be >= 1")
     need(len(cfg.data.paths) >= 1, "data.paths is empty")
     need(cfg.data.weights is None or len(cfg.data.weights) == len(cfg.data.paths),
          f"data.weights has {len(cfg.data.weights or [])} entries but data.paths has {len(cfg.data.paths)}")
@@ -467,18 +541,18 @@ def validate_config(cfg: Config) -> None:
              f"{key}={value} needs zero.stage=3 (got zero.stage={z.stage})")
     for key in ("zero.weight_bits", "zero.gradient_bits"):
         need(_get(cfg, key) in (4, 8), f"{key}={_get(cfg, key)} must be 4 or 8")
-    need(z.quant_block >= 2 and z.quant_block % 2 == 0,
-         f"zero.quant_block={z.quant_block} must be an even number >= 2")
-    need(z.qgz_stages >= 1, f"zero.qgz_stages={z.qgz_stages} must be >= 1")
+    need(2 <= z.quant_block <= MAX_QUANT_BLOCK and z.quant_block % 2 == 0,
+         f"zero.quant_block={z.quant_block} must be an even number in [2, {MAX_QUANT_BLOCK}] (config.MAX_QUANT_BLOCK)")
+    within("zero.qgz_stages", 1, MAX_QGZ_STAGES, "config.MAX_QGZ_STAGES")
     need(z.qgz_min_numel >= 0, f"zero.qgz_min_numel={z.qgz_min_numel} must be >= 0")
     need(z.quant_error_interval >= 0, f"zero.quant_error_interval={z.quant_error_interval} must be >= 0")
     need(z.quant_error_interval == 0 or z.quantized_weights or z.quantized_gradients,
          f"zero.quant_error_interval={z.quant_error_interval} needs zero.quantized_weights or "
          f"zero.quantized_gradients (nothing is quantized)")
     f = cfg.fp8
-    need(f.amax_history_len >= 1, f"fp8.amax_history_len={f.amax_history_len} must be >= 1")
-    need(f.margin >= 0, f"fp8.margin={f.margin} must be >= 0")
-    need(math.isfinite(f.mu_initial) and f.mu_initial > 0, f"fp8.mu_initial={f.mu_initial} must be > 0")
+    within("fp8.amax_history_len", 1, MAX_AMAX_HISTORY, "config.MAX_AMAX_HISTORY steps")
+    within("fp8.margin", 0, MAX_FP8_MARGIN, "config.MAX_FP8_MARGIN: a larger one flushes every value to zero")
+    within("fp8.mu_initial", MU_RANGE[0], MU_RANGE[1], "config.MU_RANGE, the range mu's auto-scaling keeps it in")
     need(0 <= f.mu_overflow_threshold < 1, f"fp8.mu_overflow_threshold={f.mu_overflow_threshold} must be in [0, 1)")
     need(f.mu_growth_interval >= 1, f"fp8.mu_growth_interval={f.mu_growth_interval} must be >= 1")
     if cfg.precision == "fp8":

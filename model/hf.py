@@ -24,13 +24,25 @@ Everything that Llama cannot express, or that we cannot, is refused by name (``H
 from __future__ import annotations
 
 import dataclasses
+import json
+import math
 from typing import Any, Dict, List, Mapping, Tuple
 
 import torch
 
-from config import ModelConfig
+from config import MAX_D_MODEL, MAX_LAYERS, MAX_SEQ_LEN, MAX_VOCAB_SIZE, ModelConfig
 
 HF_ROPE_KEYS = ("rope_parameters", "rope_scaling")
+HF_INTS = {  # config.json key: (required, the setting it becomes, its largest value: config.py's bound of it)
+    "vocab_size": (True, "model.vocab_size", MAX_VOCAB_SIZE), "hidden_size": (True, "model.d_model", MAX_D_MODEL),
+    "intermediate_size": (True, "model.ffn_hidden", 4 * MAX_D_MODEL),
+    "num_hidden_layers": (True, "model.n_layers", MAX_LAYERS),
+    "num_attention_heads": (True, "model.n_heads", MAX_D_MODEL),
+    "num_key_value_heads": (False, "model.n_kv_heads", MAX_D_MODEL), "head_dim": (False, "head dim", MAX_D_MODEL),
+    "max_position_embeddings": (False, "model.max_seq_len", MAX_SEQ_LEN),
+}
+HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias")
+HF_POSITIVE_NUMBERS = {"rms_norm_eps": 1.0, "rope_theta": math.inf}  # key: exclusive upper bound
 
 
 class HFError(ValueError):
@@ -115,16 +127,55 @@ def _rope_theta(cfg: Mapping[str, Any]) -> Tuple[float, List[str]]:
     return float(theta if theta is not None else 10000.0), problems
 
 
+def _json(value: Any) -> str:
+    """A config.json value as JSON spells it (true, "false", 1e-05)."""
+    try:
+        return json.dumps(value)
+    except (TypeError, ValueError):
+        return repr(value)
+
+
+def field_problems(cfg: Mapping[str, Any]) -> List[str]:
+    """What is wrong with the types and ranges of the config.json fields we read, one phrase per key naming the key
+    and its value (empty when nothing is); a field that is absent (or null) takes its default unless required."""
+    problems = []
+    missing = [k for k, (required, _, _) in HF_INTS.items() if required and cfg.get(k) is None]
+    if missing:
+        problems.append(f"lacks a positive integer {', '.join(missing)}")
+    for key, (_, ours, most) in HF_INTS.items():
+        value = cfg.get(key)
+        if value is None:
+            continue
+        if not isinstance(value, int) or isinstance(value, bool) or value < 1:
+            problems.append(f"{key}={_json(value)} is not a positive integer")
+        elif value > most:
+            problems.append(f"{key}={value} exceeds {most}, the largest {ours}")
+    for key in HF_BOOLS:
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, bool):
+            problems.append(f"{key}={_json(value)} is not true or false")
+    numbers = [(key, cfg.get(key), most) for key, most in HF_POSITIVE_NUMBERS.items()]
+    numbers += [(f"{key}.rope_theta", cfg[key].get("rope_theta"), math.inf) for key in HF_ROPE_KEYS
+                if isinstance(cfg.get(key), dict)]
+    for key, value, most in numbers:
+        if value is None:
+            continue
+        if not isinstance(value, (int, float)) or isinstance(value, bool) or not 0 < value < most:
+            what = f"a number in (0, {most:g})" if math.isfinite(most) else "a finite number above 0"
+            problems.append(f"{key}={_json(value)} is not {what}")
+    return problems
+
+
 def model_settings(cfg: Mapping[str, Any]) -> Dict[str, Any]:
-    """Our ``model.*`` settings equal to a Llama config.json; HFError naming every setting we cannot express."""
+    """Our ``model.*`` settings equal to a Llama config.json: HFError naming every field of a wrong type or out of
+    range (by key and value), else every setting we cannot express."""
+    bad = field_problems(cfg)
+    if bad:
+        raise HFError("config.json: " + "; ".join(bad))
     problems = []
     model_type = cfg.get("model_type")
     if model_type != "llama":
         problems.append(f"model_type={model_type!r} (only 'llama' is supported)")
-    required = ("vocab_size", "hidden_size", "intermediate_size", "num_hidden_layers", "num_attention_heads")
-    missing = [k for k in required if not isinstance(cfg.get(k), int) or cfg[k] < 1]
-    if missing:
-        raise HFError(f"config.json lacks a positive integer {', '.join(missing)}")
     d, heads = cfg["hidden_size"], cfg["num_attention_heads"]
     kv = cfg.get("num_key_value_heads") or heads
     act = cfg.get("hidden_act", "silu")
@@ -153,7 +204,7 @@ def model_settings(cfg: Mapping[str, Any]) -> Dict[str, Any]:
     settings: Dict[str, Any] = {
         "n_layers": cfg["num_hidden_layers"], "d_model": d, "n_heads": heads, "vocab_size": cfg["vocab_size"],
         "ffn_hidden": cfg["intermediate_size"], "activation": "swiglu", "norm": "rmsnorm",
-        "norm_eps": float(cfg.get("rms_norm_eps", 1e-6)), "rope_theta": theta,
+        "norm_eps": float(cfg.get("rms_norm_eps") or 1e-6), "rope_theta": theta,
         "tie_embeddings": bool(cfg.get("tie_word_embeddings", False)), "bias": attn_bias,
         "max_seq_len": max_pos, "seq_len": min(max_pos, 2048),
     }
@@ -224,7 +275,8 @@ def to_hf(ours: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict
 
 
 def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-    """Our global fp32 tensors from Llama tensors, every name and shape checked against the settings first.
+    """Our global fp32 tensors from Llama tensors, every name and shape checked against the settings first, and
+    every value finite (a NaN or inf weight is refused by name: training from it could only diverge).
 
     A tied model's ``lm_head.weight`` may be present (it must then equal the embedding) or not."""
     shapes = hf_shapes(settings)
@@ -239,6 +291,13 @@ def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict
     for k, shape in shapes.items():
         if tuple(hf[k].shape) != shape:
             raise HFError(f"{k} has shape {tuple(hf[k].shape)}, config.json implies {shape}")
+    for k in [*shapes, *(["lm_head.weight"] if tied and "lm_head.weight" in hf else [])]:
+        t = hf[k]
+        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
+            nan = int(torch.isnan(t).sum())
+            inf = int(torch.isinf(t).sum())
+            raise HFError(f"{k} holds non-finite values ({nan} NaN, {inf} inf of {t.numel()}): the weights are "
+                          "broken, nothing to train from")
     if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
         raise HFError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     grouped: Dict[str, Dict[Any, torch.Tensor]] = {}

@@ -1,49 +1,126 @@
 """Sample text from a trained checkpoint, in one process.
 
     python scripts/generate.py --checkpoint runs/gpt7b/checkpoints [--prompt TEXT] [--max-new-tokens N]
-                               [--temperature T] [--top-k K] [--seed S] [--device cpu|cuda]
+                               [--temperature T] [--top-k K] [--seed S] [--device cpu|cuda] [--tokenizer PATH]
 
 ``--checkpoint`` is one checkpoint (``.../step_00000200``), a checkpoint root (its newest
 valid checkpoint is used) or a run directory holding ``checkpoints/``. The model is rebuilt
-from the config stored in the checkpoint's meta.json with a single-process layout;
-checkpoints reshard, so one written at any (tp, pp, dp) loads. Temperature 0 (or top-k 1)
-is greedy decoding. The prompt and its continuation go to stdout, progress to stderr.
+from the config stored in the checkpoint's meta.json in one process: every ``parallel.*`` and
+``zero.*`` setting (how the run was spread over ranks and nodes: tp, pp, virtual stages,
+sequence parallelism, ranks per node, ZeRO stage and ZeRO++ qwZ/qgZ/hpZ) is reset to its
+default, none of which changes the model's forward pass. Checkpoints hold every parameter
+under its global name and shape, so one written at any layout, ZeRO++ and fp8 included,
+loads. On CPU the model runs in fp32; on CUDA in the checkpoint's precision, except that an
+fp8 checkpoint samples in bf16 (FP8 GEMMs speed up training; the weights are high precision).
+Temperature 0 (or top-k 1) is greedy decoding. The prompt and its continuation go to stdout,
+progress to stderr. Every bad input (a missing or empty directory, no valid checkpoint, an
+unreadable meta.json or tokenizer, bad option values) stops with one line and exit code 2.
 """
 from __future__ import annotations
 
 import argparse
 import json
-import re
+import math
 import sys
 from pathlib import Path
+from typing import Any, Dict
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))  # the application runs from the repository root (like Megatron-LM)
 
 import torch  # noqa: E402
 from omegaconf import OmegaConf  # noqa: E402
+from omegaconf.errors import OmegaConfBaseException  # noqa: E402
 
-SINGLE_PROCESS = ["parallel.tp=1", "parallel.pp=1", "parallel.virtual_stages=1", "parallel.sequence_parallel=false",
-                  "parallel.ranks_per_node=null", "train.micro_batch_size=1", "train.global_batch_size=1",
-                  "logging.wandb.mode=disabled"]
+DISTRIBUTED_SECTIONS = ("parallel", "zero")
+"""Config sections that only say how a run is spread over processes and nodes (and how its gradients, weights and
+optimizer states move between them): reset whole to their defaults for one process, so that a setting added to
+them later is reset too. Kept: parallel.timeout_s (a collective timeout, also of this one-rank group)."""
+KEEP = {"parallel": ("timeout_s",)}
+SINGLE_PROCESS = ["train.micro_batch_size=1", "train.global_batch_size=1", "logging.wandb.mode=disabled"]
 
 
-def find_meta(path: Path) -> Path:
-    """meta.json of the checkpoint itself, or of the newest one under a root (only to read the config)."""
+class GenerateError(ValueError):
+    """A bad input (path, checkpoint, tokenizer, option); the message is one line naming it."""
+
+
+def find_checkpoint(path: Path) -> Path:
+    """The checkpoint directory ``path`` names: itself, or the newest valid one under a root or run directory
+    (verified against its manifest in this process, before anything is built)."""
+    from training.checkpoint import STEP_DIR, checkpoint_root, verify
+
+    if not path.exists():
+        raise GenerateError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise GenerateError(f"checkpoint {path} is not a directory")
     if (path / "meta.json").is_file():
-        return path / "meta.json"
-    metas = sorted(m for m in path.glob("step_*/meta.json") if re.fullmatch(r"step_\d{8}", m.parent.name))
-    if not metas:
-        raise SystemExit(f"error: no checkpoint in {path} (expected step_*/meta.json there)")
-    return metas[-1]
+        problem = verify(path)
+        if problem:
+            raise GenerateError(f"checkpoint {path} is not usable: {problem}")
+        return path
+    root = checkpoint_root(path)
+    candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    if not candidates:
+        raise GenerateError(f"no checkpoint in {path} (expected meta.json, step_*/ or checkpoints/step_*/ there)")
+    rejected = []
+    for step_dir in candidates:
+        problem = verify(step_dir)
+        if problem is None:
+            for name, why in rejected:
+                print(f"[generate] WARNING: {name} is not usable ({why}); sampling {step_dir.name}", file=sys.stderr)
+            return step_dir
+        rejected.append((step_dir.name, problem))
+    raise GenerateError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
 
 
-def build_config(meta: dict, device: str):
-    from config import Config, validate_config
-    overrides = SINGLE_PROCESS + [f"device={device}"] + (["precision=fp32"] if device == "cpu" else [])
-    merged = OmegaConf.merge(OmegaConf.structured(Config), meta["config"], OmegaConf.from_dotlist(overrides))
-    cfg = OmegaConf.to_object(merged)
-    validate_config(cfg)
+def read_meta(step_dir: Path) -> Dict[str, Any]:
+    """meta.json of a verified checkpoint; GenerateError when it is not a JSON object with a config in it."""
+    meta_file = step_dir / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        raise GenerateError(f"{meta_file} is not readable JSON ({e.__class__.__name__}: {e})") from None
+    if not isinstance(meta, dict) or not isinstance(meta.get("config"), dict):
+        raise GenerateError(f"{meta_file} holds no config (a mapping under 'config')")
+    return meta
+
+
+def single_process(config: Dict[str, Any]) -> Dict[str, Any]:
+    """A checkpoint's config with every distributed-only setting (``DISTRIBUTED_SECTIONS``) at its default."""
+    out = dict(config)
+    for section in DISTRIBUTED_SECTIONS:
+        saved = out.pop(section, None)
+        kept = {k: saved[k] for k in KEEP.get(section, ()) if isinstance(saved, dict) and k in saved}
+        if kept:
+            out[section] = kept
+    return out
+
+
+def build_config(meta: Dict[str, Any], device: str, source: Path = Path("meta.json")):
+    """The one-process Config of a checkpoint's meta.json: its settings, none of its layout, on ``device``
+    (fp32 on CPU; bf16 instead of fp8 on CUDA)."""
+    from config import Config, ConfigError, validate_config
+
+    precision = meta["config"].get("precision")
+    overrides = SINGLE_PROCESS + [f"device={device}"]
+    if device == "cpu":
+        overrides.append("precision=fp32")
+    elif precision == "fp8":
+        overrides.append("precision=bf16")
+    try:
+        merged = OmegaConf.merge(OmegaConf.structured(Config), single_process(meta["config"]),
+                                 OmegaConf.from_dotlist(overrides))
+        cfg = OmegaConf.to_object(merged)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        raise GenerateError(f"{source}: invalid config ({key + ': ' if key and key not in msg else ''}{msg})") \
+            from None
+    try:
+        validate_config(cfg)
+    except ConfigError as e:
+        problems = str(e).replace("invalid configuration:\n  - ", "").replace("\n  - ", "; ")
+        raise GenerateError(f"{source}: invalid config ({problems})") from None
     return cfg
 
 
@@ -52,8 +129,18 @@ def resolve_tokenizer(name: str, override: str | None) -> Path:
     found = find_model_file(name, override)
     if found is not None:
         return found
-    raise SystemExit(f"error: tokenizer {override or name} not found (the checkpoint's data.tokenizer; "
-                     "pass --tokenizer PATH)")
+    if override:
+        raise GenerateError(f"--tokenizer {override} is not a file")
+    raise GenerateError(f"tokenizer {name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
+
+
+def check_options(args: argparse.Namespace) -> None:
+    if args.max_new_tokens < 0:
+        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
+    if not math.isfinite(args.temperature) or args.temperature < 0:
+        raise GenerateError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
+    if args.top_k < 0:
+        raise GenerateError(f"--top-k {args.top_k} must be >= 0 (0 = all tokens)")
 
 
 def sample_next(logits: torch.Tensor, temperature: float, top_k: int, gen: torch.Generator) -> int:
@@ -78,6 +165,7 @@ def main(argv=None) -> int:
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
     p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's data.tokenizer)")
     args = p.parse_args(argv)
+    check_options(args)
 
     from data.tokenizer import Tokenizer
     from parallel.launch import LaunchEnv, init_distributed
@@ -86,28 +174,24 @@ def main(argv=None) -> int:
     from training.checkpoint import Checkpointer
     from training.engine import Engine
 
-    path = Path(args.checkpoint)
-    if not path.exists():
-        raise SystemExit(f"error: checkpoint {path} does not exist")
-    if not (path / "meta.json").is_file() and not any(path.glob("step_*")) and (path / "checkpoints").is_dir():
-        path = path / "checkpoints"  # a run directory
-    cfg = build_config(json.loads(find_meta(path).read_text()), args.device)
-    tok = Tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
-
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
-        raise SystemExit("error: --device cuda was requested but CUDA is not available")
+        raise GenerateError("--device cuda was requested but CUDA is not available")
+    path = find_checkpoint(Path(args.checkpoint))
+    cfg = build_config(read_meta(path), args.device, path / "meta.json")
+    tok = Tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
+    if tok.vocab_size > cfg.model.vocab_size:
+        raise GenerateError(f"tokenizer {tok.model_path} has {tok.vocab_size} tokens but the model's vocabulary "
+                            f"has {cfg.model.vocab_size} rows (model.vocab_size): not the tokenizer it was trained "
+                            "with")
+
+    owned = not torch.distributed.is_initialized()
     init_distributed(LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single"), device, cfg.parallel.timeout_s)
     try:
         engine = Engine(cfg, Mesh(make_layout(cfg, 1, 1), device))
-        ckpt = Checkpointer(cfg, str(path), engine)
-        if not (path / "meta.json").is_file():
-            path = ckpt.find_resumable(quarantine=False)  # newest verified checkpoint; read-only
-            if path is None:
-                raise SystemExit(f"error: no valid checkpoint in {args.checkpoint}")
-        meta = ckpt.load(path, with_optimizer=False)
+        meta = Checkpointer(cfg, str(path.parent), engine).load(path, with_optimizer=False)
         print(f"[generate] {path} (step {meta['step']}), {sum(p.numel() for p in engine.params.values()) / 1e6:.2f}M "
-              f"parameters on {device}", file=sys.stderr, flush=True)
+              f"parameters on {device} ({cfg.precision})", file=sys.stderr, flush=True)
 
         model = engine.chunks[0].eval()
         prompt_ids = tok.encode(args.prompt)
@@ -124,7 +208,8 @@ def main(argv=None) -> int:
                 ids.append(nxt)
                 new.append(nxt)
     finally:
-        torch.distributed.destroy_process_group()
+        if owned:
+            torch.distributed.destroy_process_group()
 
     # decode the whole sequence (sentencepiece joins pieces by context), then print the prompt as given
     text, prompt_text = tok.decode(prompt_ids + new), tok.decode(prompt_ids)
@@ -135,13 +220,14 @@ def main(argv=None) -> int:
     return 0
 
 
-def cli() -> int:
+def cli(argv=None) -> int:
+    """main() with every bad input as one line on stderr and exit code 2 (as train.py)."""
     from config import ConfigError
     from data.indexed import DataError
     from training.checkpoint import CheckpointError
     try:
-        return main()
-    except (ConfigError, DataError, CheckpointError) as e:
+        return main(argv)
+    except (GenerateError, ConfigError, DataError, CheckpointError) as e:
         print(f"error: {e}", file=sys.stderr)
         return 2
 

@@ -14,7 +14,10 @@ ZeRO stages, fp8) loads it. Next to it: ``model.yaml``, the ``model.*`` settings
 A Llama we cannot express (rope scaling, head_dim != hidden_size / heads, hidden_act other than silu,
 attention_bias != mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong
 shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused
-unless ``--force``.
+unless ``--force``. config.json's fields are checked by type and range before anything else (a string
+where a number or true/false belongs, a non-positive count, ``max_position_embeddings`` above
+``config.MAX_SEQ_LEN``: one line naming the key and its value), and weights holding NaN or inf are
+refused naming the tensor.
 """
 from __future__ import annotations
 

@@ -11,8 +11,14 @@ into nested ones (``fp8.mu``, ``quant_error.weights``). Records without the
 metric are skipped; a step logged more than once (a resumed run) keeps its last
 value. A table of each run's last step, loss and val_loss is printed too.
 
+A run killed mid-write (kill -9, a node lost) can leave a torn last line: it is
+skipped with a warning and the records before it are plotted. A default panel no
+run has data for (val_loss of runs with train.eval_interval=0) is left out with a
+note; a metric named with ``--metrics`` must be in some run.
+
 matplotlib is optional (``pip install matplotlib``); it is imported only here,
-with the non-interactive Agg backend. Bad input exits 2 with a one-line error.
+with the non-interactive Agg backend. Bad input (a missing, empty or binary file, a
+malformed line before the last) exits 2 with a one-line error naming the file.
 """
 from __future__ import annotations
 
@@ -20,13 +26,20 @@ import argparse
 import json
 import sys
 from pathlib import Path
-from typing import Dict, List, Optional
+from typing import Callable, Dict, List, Optional
 
 Series = Dict[int, float]  # step -> value
 
 
 class InputError(Exception):
     """Bad input: reported as one line and exit code 2."""
+
+
+DEFAULT_METRICS = ["loss", "val_loss"]
+
+
+def warn(message: str) -> None:
+    print(f"plot_runs.py: {message}", file=sys.stderr, flush=True)
 
 
 def lookup(record: dict, metric: str) -> Optional[float]:
@@ -41,32 +54,59 @@ def lookup(record: dict, metric: str) -> Optional[float]:
     return float(value)
 
 
-def load_run(run_dir: Path, metrics: List[str]) -> Dict[str, Series]:
-    """Read ``run_dir/metrics.jsonl`` into one step-sorted series per metric, plus ``"step"`` (all steps)."""
+def _parse(line: bytes) -> dict:
+    """One metrics.jsonl line as a record; ValueError saying what is wrong with it."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"binary data, not a JSON line (byte {e.start + 1} of the line is not UTF-8)") from None
+    if "\x00" in text:
+        raise ValueError("binary data, not a JSON line (NUL bytes)")
+    try:
+        record = json.loads(text)
+    except RecursionError:
+        raise ValueError("malformed JSON line (nested too deeply)") from None
+    except ValueError as e:
+        raise ValueError(f"malformed JSON line ({e})") from None
+    if not isinstance(record, dict):
+        raise ValueError(f"expected a JSON object, got {type(record).__name__}")
+    return record
+
+
+def load_run(run_dir: Path, metrics: List[str], on_warning: Callable[[str], None] = warn) -> Dict[str, Series]:
+    """Read ``run_dir/metrics.jsonl`` into one step-sorted series per metric, plus ``"step"`` (all steps).
+
+    A bad last line after good records is what a writer killed mid-line leaves: it is skipped, with a warning
+    through ``on_warning``. A bad line anywhere else, or a file with no good record, is an InputError."""
     path = run_dir / "metrics.jsonl"
     if not path.is_file():
         raise InputError(f"{path}: no such file (is {run_dir} a run directory?)")
+    try:
+        lines = path.read_bytes().split(b"\n")
+    except OSError as e:
+        raise InputError(f"{path}: cannot be read ({e.strerror})") from None
+    filled = [i for i, line in enumerate(lines) if line.strip()]
     series: Dict[str, Series] = {m: {} for m in ["step"] + metrics}
     n_records = 0
-    with open(path) as f:
-        for lineno, line in enumerate(f, 1):
-            if not line.strip():
-                continue
-            try:
-                record = json.loads(line)
-            except ValueError as e:
-                raise InputError(f"{path}:{lineno}: malformed JSON line ({e})") from None
-            if not isinstance(record, dict):
-                raise InputError(f"{path}:{lineno}: expected a JSON object, got {type(record).__name__}")
-            n_records += 1
-            step = record.get("step")
-            if isinstance(step, bool) or not isinstance(step, int):
-                continue
-            series["step"][step] = float(step)
-            for m in metrics:
-                value = lookup(record, m)
-                if value is not None:
-                    series[m][step] = value  # a later record of the same step replaces an earlier one
+    for i in filled:
+        lineno = i + 1
+        try:
+            record = _parse(lines[i])
+        except ValueError as e:
+            if i == filled[-1] and n_records:
+                on_warning(f"warning: {path}:{lineno}: skipped the torn last record, what a writer killed "
+                           f"mid-line leaves ({e}); plotting the {n_records} records before it")
+                break
+            raise InputError(f"{path}:{lineno}: {e}") from None
+        n_records += 1
+        step = record.get("step")
+        if isinstance(step, bool) or not isinstance(step, int):
+            continue
+        series["step"][step] = float(step)
+        for m in metrics:
+            value = lookup(record, m)
+            if value is not None:
+                series[m][step] = value  # a later record of the same step replaces an earlier one
     if n_records == 0:
         raise InputError(f"{path}: empty file, no records")
     return {m: dict(sorted(s.items())) for m, s in series.items()}
@@ -118,25 +158,36 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("runs", nargs="+", type=Path, metavar="RUN_DIR", help="run directories holding metrics.jsonl")
     ap.add_argument("-o", "--output", type=Path, default=Path("curves.png"), help="PNG to write (curves.png)")
-    ap.add_argument("--metrics", nargs="+", default=["loss", "val_loss"],
-                    help="one subplot each, e.g. loss val_loss lr grad_norm tokens_per_s (loss val_loss)")
+    ap.add_argument("--metrics", nargs="+",
+                    help="one subplot each, e.g. loss val_loss lr grad_norm tokens_per_s (default: loss val_loss, "
+                         "leaving out one that no run has)")
     ap.add_argument("--labels", nargs="+", help="one legend label per run (default: the run directories' names)")
     args = ap.parse_args(argv)
     if args.labels is not None and len(args.labels) != len(args.runs):
         ap.error(f"--labels has {len(args.labels)} names for {len(args.runs)} runs")
     labels = args.labels or [run.resolve().name for run in args.runs]
-    metrics = list(dict.fromkeys(args.metrics))  # drop repeats, keep order
+    metrics = list(dict.fromkeys(args.metrics or DEFAULT_METRICS))  # drop repeats, keep order
+    notes: List[str] = []  # printed once the plot is written, so an error stays the only line
     try:
-        wanted = list(dict.fromkeys(metrics + ["loss", "val_loss"]))  # the table shows loss and val_loss
-        runs = [load_run(run, wanted) for run in args.runs]
-        for m in metrics:
-            if not any(run[m] for run in runs):
-                paths = ", ".join(str(run / "metrics.jsonl") for run in args.runs)
-                raise InputError(f"metric {m!r} is in no run ({paths})")
+        wanted = list(dict.fromkeys(metrics + DEFAULT_METRICS))  # the table shows loss and val_loss
+        runs = [load_run(run, wanted, notes.append) for run in args.runs]
+        paths = ", ".join(str(run / "metrics.jsonl") for run in args.runs)
+        absent = [m for m in metrics if not any(run[m] for run in runs)]
+        if args.metrics:
+            if absent:
+                raise InputError(f"metric {absent[0]!r} is in no run ({paths})")
+        elif len(absent) == len(metrics):
+            raise InputError(f"no run has {' or '.join(metrics)} records ({paths})")
+        elif absent:
+            metrics = [m for m in metrics if m not in absent]
+            why = " (validation off, train.eval_interval=0, or not reached yet)" if absent == ["val_loss"] else ""
+            notes.append(f"note: no run has {' or '.join(absent)} records{why}; plotting {', '.join(metrics)}")
         plot(labels, runs, metrics, args.output)
     except InputError as e:
         print(f"plot_runs.py: error: {e}", file=sys.stderr)
         return 2
+    for note in notes:
+        warn(note)
     print(table(labels, runs))
     print(f"wrote {args.output}")
     return 0

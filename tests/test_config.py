@@ -205,6 +205,64 @@ def test_zero_divisors_give_a_config_error(override: str, key: str) -> None:
         validate_config(cfg)
 
 
+# ---- ceilings of sizes, counts and intervals that allocate or loop (issue 17) ---------------------------
+
+# (key, the largest value accepted, a value rejected, other overrides both need). Written out as numbers here,
+# not read from config.py: each row is the documented range, and each rejected value used to pass validation
+# and then die in an allocation (or a near-endless loop, or skip every step).
+BOUNDS = [
+    ("model.max_seq_len", 2**20, 2**40, []),
+    ("model.seq_len", 2**20, 2**20 + 1, []),
+    ("model.vocab_size", 2**22, 2**22 + 1, []),
+    ("model.d_model", 2**17, 2**18, []),
+    ("model.n_layers", 2**12, 2**12 + 1, []),
+    ("model.ffn_hidden", 2**19, 2**19 + 1, []),
+    ("train.global_batch_size", 2**20, 2**21, []),
+    ("train.micro_batch_size", 2**17, 2**18, ["train.global_batch_size=262144"]),  # x seq_len 128 <= 2**24 tokens
+    ("train.eval_iters", 2**16, 2**16 + 1, []),
+    ("fp8.amax_history_len", 2**16, 10**9, []),
+    ("fp8.margin", 32, 33, []),
+    ("fp8.mu_initial", 2.0**64, 1e38, []),
+    ("fp8.mu_initial", 2.0**-64, 2.0**-65, []),
+    ("fp8.mu_initial", 1.0, float("inf"), []),
+    ("zero.quant_block", 2**16, 10**12, []),
+    ("zero.qgz_stages", 64, 10**8, []),
+    ("loss_scale.initial", 2.0**64, 1e38, []),
+    ("loss_scale.initial", 65536.0, float("inf"), []),
+    ("loss_scale.growth_interval", 1, 0, []),
+    ("parallel.bucket_mb", 2.0**20, float("inf"), []),
+    ("parallel.bucket_mb", 0.01, 0.0, []),
+    ("parallel.timeout_s", 7 * 24 * 3600.0, 1e9, []),
+]
+
+
+@pytest.mark.parametrize("key, ok, bad, extra", BOUNDS, ids=[f"{k}={bad}" for k, _, bad, _ in BOUNDS])
+def test_sizes_that_allocate_or_loop_are_bounded(key: str, ok, bad, extra: list) -> None:
+    validate_config(load_config(None, [*extra, f"{key}={ok}"]))  # the bound itself is a valid experiment
+    msg = _invalid(*extra, f"{key}={bad}")
+    lines = msg.splitlines()
+    assert lines[0] == "invalid configuration:" and len(lines) == 2, msg  # one line, for this field alone
+    assert lines[1].startswith(f"  - {key}="), msg
+
+
+def test_sequence_length_bound_is_exported() -> None:
+    """scripts/import_hf.py refuses max_position_embeddings above config.MAX_SEQ_LEN: the same number."""
+    import config
+
+    assert config.MAX_SEQ_LEN == 2**20
+
+
+def test_huge_max_seq_len_stops_train_py_with_one_line(capsys, tmp_path: Path) -> None:
+    """It used to pass validation and die building the rotary table (an 8 TiB allocation traceback)."""
+    import train
+
+    assert train.main([f"logging.run_dir={tmp_path}", "model.max_seq_len=1099511627776"]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: invalid configuration:") and "Traceback" not in err, err
+    lines = err.splitlines()[1:]
+    assert len(lines) == 1 and lines[0].startswith("  - model.max_seq_len=1099511627776 must be in [1, 1048576]"), err
+
+
 # ---- --help ----------------------------------------------------------------------------------------
 
 def test_describe_lists_every_leaf_key_with_its_docstring() -> None:

@@ -3,7 +3,10 @@
 Greedy decoding must reproduce the argmax continuation computed here directly from the
 checkpoint through the model's logits.
 """
+import json
 import os
+import runpy
+import shutil
 import subprocess
 import sys
 from pathlib import Path
@@ -18,7 +21,7 @@ from data.tokenizer import Tokenizer
 from parallel.launch import LaunchEnv, init_distributed
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
-from training.checkpoint import Checkpointer
+from training.checkpoint import Checkpointer, file_digest
 from training.engine import Engine
 
 pytestmark = pytest.mark.slow
@@ -100,6 +103,137 @@ def test_greedy_matches_reference_argmax(run_dir):
 
 def test_missing_checkpoint_is_a_clear_error(tmp_path):
     proc = _run(str(SCRIPT), "--checkpoint", str(tmp_path / "nowhere"), "--device", "cpu")
-    assert proc.returncode != 0
-    assert "error:" in proc.stderr and "nowhere" in proc.stderr
-    assert "Traceback" not in proc.stderr
+    assert proc.returncode == 2, proc.stderr
+    assert proc.stderr.strip() == f"error: checkpoint {tmp_path / 'nowhere'} does not exist"
+
+
+# ---- every bad input: one line, exit code 2 (as train.py) ----------------------------------------------------
+
+def run_script(monkeypatch, capfd, *args: str) -> tuple:
+    """The script as the command line runs it (``sys.exit(cli())``), in this process: (exit code, stderr)."""
+    capfd.readouterr()
+    monkeypatch.setattr(sys, "argv", [str(SCRIPT), *args])
+    with pytest.raises(SystemExit) as exit_info:
+        runpy.run_path(str(SCRIPT), run_name="__main__")
+    return exit_info.value.code, capfd.readouterr().err.strip()
+
+
+def _rewrite(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and record it in the manifest, so that the checkpoint still verifies."""
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][name] = file_digest(step_dir / name)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def _with_config(**changes):
+    """A meta.json editor (bytes to bytes) updating config sections: ``model={"n_heads": 3}``."""
+    def edit(raw: bytes) -> bytes:
+        meta = json.loads(raw)
+        for section, values in changes.items():
+            meta["config"][section].update(values)
+        return json.dumps(meta).encode()
+    return edit
+
+
+def _flip_byte(data: bytes) -> bytes:
+    data = bytearray(data)
+    data[len(data) // 2] ^= 0xFF
+    return bytes(data)
+
+
+BAD_META = {  # name: (how meta.json changes, whether the manifest is updated, what the error names)
+    "meta_corrupted": (_flip_byte, False, "meta.json: content does not match"),
+    "meta_not_json": (lambda raw: b"{not json", True, "meta.json is not readable JSON"),
+    "meta_without_config": (lambda raw: json.dumps({"step": 3}).encode(), True, "meta.json holds no config"),
+    "meta_wrong_type": (_with_config(model={"d_model": "abc"}), True, "model.d_model"),
+    "meta_unknown_key": (_with_config(model={"n_expert": 4}), True, "n_expert"),
+    "meta_inconsistent": (_with_config(model={"n_heads": 3}), True,
+                          "model.d_model=64 is not divisible by model.n_heads=3"),
+    "meta_tokenizer_missing": (_with_config(data={"tokenizer": "nowhere/tok.model"}), True,
+                               "tokenizer nowhere/tok.model not found"),
+    "meta_vocabulary_too_small": (_with_config(model={"vocab_size": 128}), True,
+                                  "has 4096 tokens but the model's vocabulary has 128 rows"),
+}
+
+
+@pytest.mark.parametrize("name", sorted(BAD_META))
+def test_bad_checkpoint_is_one_line_and_exit_code_2(run_dir, tmp_path, monkeypatch, capfd, name):
+    edit, update_manifest, expected = BAD_META[name]
+    step_dir = tmp_path / "checkpoints" / "step_00000003"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000003", step_dir)
+    data = edit((step_dir / "meta.json").read_bytes())
+    if update_manifest:
+        _rewrite(step_dir, "meta.json", data)
+    else:
+        (step_dir / "meta.json").write_bytes(data)
+    code, err = run_script(monkeypatch, capfd, "--checkpoint", str(step_dir), "--device", "cpu")
+    assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: ") and expected in err, (code, err)
+
+
+def test_bad_paths_and_options_are_one_line_and_exit_code_2(run_dir, tmp_path, monkeypatch, capfd):
+    def error(*args: str) -> str:
+        code, err = run_script(monkeypatch, capfd, *args)
+        assert code == 2 and len(err.splitlines()) == 1 and err.startswith("error: "), (code, err)
+        return err
+
+    ckpt = str(run_dir / "checkpoints")
+    assert "does not exist" in error("--checkpoint", str(tmp_path / "nowhere"), "--device", "cpu")
+    (tmp_path / "file").write_text("x")
+    assert "is not a directory" in error("--checkpoint", str(tmp_path / "file"), "--device", "cpu")
+    (tmp_path / "empty").mkdir()
+    assert "no checkpoint in" in error("--checkpoint", str(tmp_path / "empty"), "--device", "cpu")
+    (tmp_path / "run" / "checkpoints").mkdir(parents=True)  # a run directory that never saved
+    assert "no checkpoint in" in error("--checkpoint", str(tmp_path / "run"), "--device", "cpu")
+    broken = tmp_path / "broken" / "step_00000003"
+    shutil.copytree(run_dir / "checkpoints" / "step_00000003", broken)
+    victim = sorted(broken.glob("*.distcp"))[0]
+    victim.write_bytes(_flip_byte(victim.read_bytes()))
+    err = error("--checkpoint", str(broken.parent), "--device", "cpu")
+    assert "no valid checkpoint in" in err and victim.name in err and "corrupted" in err
+    assert "--tokenizer nowhere.model is not a file" in error("--checkpoint", ckpt, "--tokenizer", "nowhere.model",
+                                                               "--device", "cpu")
+    (tmp_path / "tok.model").write_text("not a sentencepiece model")
+    assert "not a valid SentencePiece model" in error("--checkpoint", ckpt, "--tokenizer", str(tmp_path / "tok.model"),
+                                                      "--device", "cpu")
+    for option, value in (("--max-new-tokens", "-1"), ("--top-k", "-2"), ("--temperature", "-1"),
+                          ("--temperature", "nan")):
+        assert f"{option} {value}" in error("--checkpoint", ckpt, option, value, "--device", "cpu")
+    if not torch.cuda.is_available():
+        assert "CUDA is not available" in error("--checkpoint", ckpt, "--device", "cuda")
+
+
+# ---- one process, whatever the layout ------------------------------------------------------------------------
+
+def test_every_distributed_setting_is_reset_for_one_process():
+    """A checkpoint's config with every parallel.* and zero.* key away from its default (a layout of 2 nodes, ZeRO++)
+    and precision=fp8 becomes a valid one-process config: those keys at their defaults (the collective timeout
+    kept), the model untouched, fp32 on CPU and bf16 on CUDA."""
+    import dataclasses
+
+    from config import Config, ParallelConfig, ZeroConfig, to_dict
+    from parallel.layout import make_layout
+
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import generate
+
+    parallel = {"tp": 2, "pp": 2, "sequence_parallel": True, "virtual_stages": 2, "ranks_per_node": 2,
+                "bucket_mb": 1.0, "overlap_grad_reduce": False, "timeout_s": 30.0}
+    zero = {"stage": 3, "partition": "whole_tensor", "reduce_dtype": "fp32", "prefetch": False,
+            "quantized_weights": True, "weight_bits": 4, "hpz_size": 2, "quantized_gradients": True,
+            "gradient_bits": 8, "quant_block": 64, "qgz_stages": 1, "qgz_min_numel": 0, "quant_error_interval": 5}
+    assert set(parallel) == {f.name for f in dataclasses.fields(ParallelConfig)}, "a new parallel.* key: add it"
+    assert set(zero) == {f.name for f in dataclasses.fields(ZeroConfig)}, "a new zero.* key: add it"
+    config = to_dict(Config())
+    config["parallel"].update(parallel)
+    config["zero"].update(zero)
+    config["model"].update(n_layers=4, d_model=96, n_heads=6, n_kv_heads=2)
+    config["precision"] = "fp8"
+    for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
+        cfg = generate.build_config({"config": config}, device)
+        assert to_dict(cfg)["model"] == config["model"]
+        assert to_dict(cfg)["zero"] == to_dict(Config())["zero"]
+        assert to_dict(cfg)["parallel"] == {**to_dict(Config())["parallel"], "timeout_s": 30.0}
+        assert (cfg.precision, cfg.device) == (precision, device)
+        layout = make_layout(cfg, 1, 1)
+        assert (layout.world_size, layout.tp, layout.pp, layout.dp) == (1, 1, 1, 1)

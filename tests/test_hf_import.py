@@ -295,3 +295,49 @@ def test_init_from_and_load_exclude_each_other():
         validate_config(load_config(None, ["checkpoint.init_from=a", "checkpoint.load=b"]))
     with pytest.raises(ConfigError, match="checkpoint.init_from is empty"):
         validate_config(load_config(None, ["checkpoint.init_from=' '"]))
+
+
+@pytest.mark.parametrize("changes,expected", [
+    ({"rms_norm_eps": "abc"}, 'rms_norm_eps="abc" is not a number in (0, 1)'),
+    ({"tie_word_embeddings": "false"}, 'tie_word_embeddings="false" is not true or false'),
+    ({"attention_bias": 1, "mlp_bias": 1}, "attention_bias=1 is not true or false; mlp_bias=1 is not true or false"),
+    ({"num_hidden_layers": True}, "num_hidden_layers=true is not a positive integer"),
+    ({"num_attention_heads": -4}, "num_attention_heads=-4 is not a positive integer"),
+    ({"num_key_value_heads": -2}, "num_key_value_heads=-2 is not a positive integer"),
+    ({"hidden_size": 64.0}, "hidden_size=64.0 is not a positive integer"),
+    ({"max_position_embeddings": 2**40}, f"max_position_embeddings={2**40} exceeds {2**20}, the largest "
+                                         "model.max_seq_len"),
+    ({"rope_theta": -1}, "rope_theta=-1 is not a finite number above 0"),
+], ids=["eps_string", "tie_string", "bias_int", "layers_bool", "negative_heads", "negative_kv_heads", "float_size",
+        "positions_2e40", "negative_theta"])
+def test_config_json_fields_of_a_wrong_type_or_range_are_named(imported, tmp_path, capsys, changes, expected):
+    """Checked before anything else (here there are no weights at all): the key and its value, as JSON writes it."""
+    _, ckpt = imported
+    cfg = json.loads((ckpt.parent / "llama" / "config.json").read_text())
+    cfg.update(changes)
+    (tmp_path / "llama").mkdir()
+    (tmp_path / "llama" / "config.json").write_text(json.dumps(cfg))
+    assert import_model(tmp_path / "llama", tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    assert err == f"error: config.json: {expected}", err
+    assert not (tmp_path / "out").exists()
+
+
+@pytest.mark.parametrize("bad", ["nan", "inf"])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(imported, tmp_path, capsys, bad):
+    from safetensors.torch import load_file, save_file
+
+    _, ckpt = imported
+    src, model_dir = ckpt.parent / "llama", tmp_path / "llama"
+    model_dir.mkdir()
+    shutil.copyfile(src / "config.json", model_dir / "config.json")
+    weights = load_file(str(src / "model.safetensors"))
+    weights["model.layers.1.mlp.down_proj.weight"][3, 5] = float(bad)
+    weights["model.layers.1.mlp.down_proj.weight"][7, 1] = -float(bad)
+    save_file(weights, str(model_dir / "model.safetensors"), metadata={"format": "pt"})
+    assert import_model(model_dir, tmp_path / "out") == 2
+    err = capsys.readouterr().err.strip()
+    counts = "2 NaN, 0 inf" if bad == "nan" else "0 NaN, 2 inf"
+    assert len(err.splitlines()) == 1, err
+    assert err.startswith(f"error: model.layers.1.mlp.down_proj.weight holds non-finite values ({counts} of "), err
+    assert not (tmp_path / "out").exists()

@@ -1,5 +1,7 @@
 """scripts/plot_runs.py: plots runs' metrics.jsonl to a PNG, prints their last values, and rejects bad input
-with one line and exit code 2 (matplotlib missing included). Synthetic run directories; nothing is trained."""
+with one line and exit code 2 (matplotlib missing included). A torn last record (a writer killed mid-line) is
+skipped with a warning, and runs without validation records plot by default. Synthetic run directories; nothing
+is trained."""
 import json
 import os
 import subprocess
@@ -110,19 +112,37 @@ def _bad_inputs(tmp_path, good):
     missing.mkdir()
     empty = _write_run(tmp_path / "empty", [])
     (empty / "metrics.jsonl").write_text("\n")
-    torn = tmp_path / "torn"
-    torn.mkdir()
-    (torn / "metrics.jsonl").write_text(json.dumps(_train(1, 4.0)) + '\n{"step": 2, "loss": 3.\n')
+    middle = tmp_path / "middle"
+    middle.mkdir()  # a malformed line with records after it is no torn write: the file is damaged
+    (middle / "metrics.jsonl").write_text(json.dumps(_train(1, 4.0)) + '\n{"step": 2, "loss": 3.\n'
+                                          + json.dumps(_train(3, 2.0)) + "\n")
+    binary = tmp_path / "binary"
+    binary.mkdir()  # e.g. a PNG saved over it: not UTF-8 from the first line on
+    (binary / "metrics.jsonl").write_bytes(PNG_MAGIC + bytes(range(256)) * 4 + b"\n"
+                                           + json.dumps(_train(1, 4.0)).encode())
+    nul = tmp_path / "nul"
+    nul.mkdir()
+    (nul / "metrics.jsonl").write_bytes(b"\x00" * 64 + b"\n" + json.dumps(_train(1, 4.0)).encode() + b"\n")
+    torn_only = tmp_path / "torn_only"
+    torn_only.mkdir()  # killed while writing its first record: nothing to plot
+    (torn_only / "metrics.jsonl").write_text('{"step": 1, "lo')
+    no_val = _write_run(tmp_path / "no_val", [_train(1, 4.0), _train(2, 3.0)])
     return {
         "missing": ([good, missing], [str(missing / "metrics.jsonl"), "no such file"]),
         "empty": ([good, empty], [str(empty / "metrics.jsonl"), "empty"]),
-        "malformed": ([torn], [f"{torn / 'metrics.jsonl'}:2:", "malformed JSON"]),
+        "malformed": ([middle], [f"{middle / 'metrics.jsonl'}:2:", "malformed JSON"]),
+        "binary": ([good, binary], [f"{binary / 'metrics.jsonl'}:1:", "binary data"]),
+        "nul_bytes": ([nul], [f"{nul / 'metrics.jsonl'}:1:", "binary data"]),
+        "torn_only_record": ([torn_only], [f"{torn_only / 'metrics.jsonl'}:1:", "malformed JSON"]),
         "unknown_metric": ([good, "--metrics", "loss", "nonesuch"],
                            ["'nonesuch'", str(good / "metrics.jsonl")]),
+        "val_loss_asked_for": ([no_val, "--metrics", "loss", "val_loss"],
+                               ["'val_loss'", str(no_val / "metrics.jsonl")]),
     }
 
 
-@pytest.mark.parametrize("case", ["missing", "empty", "malformed", "unknown_metric"])
+@pytest.mark.parametrize("case", ["missing", "empty", "malformed", "binary", "nul_bytes", "torn_only_record",
+                                  "unknown_metric", "val_loss_asked_for"])
 def test_bad_input_exits_2_with_one_line(case, runs, tmp_path):
     args, expected = _bad_inputs(tmp_path, runs[0])[case]
     out = tmp_path / "curves.png"
@@ -147,3 +167,71 @@ def test_missing_matplotlib_exits_2(runs, tmp_path):
     assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
     assert "pip install matplotlib" in r.stderr
     assert not out.exists()
+
+
+# ---- what a killed writer leaves, and runs without validation (issue 17) ------------------------------------
+
+GOOD = [_train(1, 4.0), _train(2, 3.0), {"step": 2, "val_loss": 3.1}, _train(3, 2.5, note="ééé")]
+TORN = {  # the bytes a writer killed part-way through its next line leaves after GOOD
+    "mid_number": b'{"step": 4, "loss": 2.2',
+    "mid_utf8_char": json.dumps(_train(4, 2.25, note="ééé"), ensure_ascii=False).encode()[:-3],  # half an é
+    "with_newline": b'{"step": 4, "loss": 2.\n',
+    "nul_tail": b"\x00" * 4096,  # a file system that lost the data of the last block, not its size
+}
+
+
+def _good_bytes() -> bytes:
+    return "".join(json.dumps(r, ensure_ascii=False) + "\n" for r in GOOD).encode()
+
+
+@pytest.mark.parametrize("tail", list(TORN))
+def test_torn_last_record_is_skipped_with_a_warning(tail, tmp_path):
+    pytest.importorskip("matplotlib")
+    assert TORN["mid_utf8_char"].decode("utf-8", errors="replace").endswith("\ufffd")  # cut inside a character
+    clean = _write_run(tmp_path / "clean", GOOD)
+    torn = tmp_path / "torn"
+    torn.mkdir()
+    (torn / "metrics.jsonl").write_bytes(_good_bytes() + TORN[tail])
+    metrics = ["loss", "val_loss", "lr"]
+    warnings = []
+    assert plot_runs.load_run(torn, metrics, warnings.append) == plot_runs.load_run(clean, metrics, warnings.append)
+    assert len(warnings) == 1 and f"{torn / 'metrics.jsonl'}:5:" in warnings[0] and "torn last record" in warnings[0]
+
+    out, ref = tmp_path / "torn.png", tmp_path / "clean.png"
+    r = _run(torn, "--labels", "run", "-o", out)
+    assert r.returncode == 0, r.stderr
+    r_ref = _run(clean, "--labels", "run", "-o", ref)
+    assert r_ref.returncode == 0 and r_ref.stderr == "", r_ref.stderr
+    assert _table(r.stdout) == _table(r_ref.stdout) == {"run": ["3", "2.5000", "3.1000"]}
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plot_runs.py: warning: "), r.stderr
+    assert "torn last record" in lines[0] and f"{torn / 'metrics.jsonl'}:5:" in lines[0], r.stderr
+    import matplotlib.image
+
+    assert (matplotlib.image.imread(str(out)) == matplotlib.image.imread(str(ref))).all()  # the same picture
+
+
+def test_default_plot_of_runs_without_validation_records(tmp_path):
+    """train.eval_interval=0 (or a run stopped before its first validation) writes no val_loss: the default
+    invocation plots the loss panel with a note, the same picture as asking for loss alone."""
+    pytest.importorskip("matplotlib")
+    a = _write_run(tmp_path / "a", [_train(1, 4.0), _train(2, 3.0)])
+    b = _write_run(tmp_path / "b", [_train(1, 4.5), _train(2, 3.5), _train(3, 3.25)])
+    out, ref = tmp_path / "default.png", tmp_path / "loss.png"
+    r = _run(a, b, "-o", out)
+    assert r.returncode == 0, r.stderr
+    assert _table(r.stdout) == {"a": ["2", "3.0000", "-"], "b": ["3", "3.2500", "-"]}
+    lines = r.stderr.strip().splitlines()
+    assert len(lines) == 1 and lines[0].startswith("plot_runs.py: note: no run has val_loss records"), r.stderr
+    r_ref = _run(a, b, "--metrics", "loss", "-o", ref)
+    assert r_ref.returncode == 0 and r_ref.stderr == "", r_ref.stderr
+    import matplotlib.image
+
+    assert (matplotlib.image.imread(str(out)) == matplotlib.image.imread(str(ref))).all()
+
+    # one run with validation records: both panels, no note
+    c = _write_run(tmp_path / "c", [_train(1, 4.0), {"step": 1, "val_loss": 4.2}])
+    r = _run(a, c, "-o", tmp_path / "both.png")
+    assert r.returncode == 0 and r.stderr == "", r.stderr
+    assert _table(r.stdout) == {"a": ["2", "3.0000", "-"], "c": ["1", "4.0000", "4.2000"]}
+    assert _check_png(tmp_path / "both.png")[1] > _check_png(out)[1]
