@@ -192,6 +192,27 @@ def is_fp8_linear(module: nn.Module) -> bool:
     return getattr(module, "fp8_states", None) is not None
 
 
+def _impossible(key: str, t: torch.Tensor) -> Optional[str]:
+    """What is wrong with a loaded state tensor no run can produce, or None. Scales come from
+    ``scale_from_amax``, always finite and > 0 (a bad amax keeps the previous scale); histories hold amaxes, with
+    0 where a step had none or a non-finite one (so zeros are valid). ``pending`` and ``initialized`` take any
+    value a run can leave (a NaN pending amax is entered as 0 by the next update)."""
+    field = key.rpartition(".")[2]
+    t = t.detach().float().cpu()
+    if field == "scale":
+        bad = ~(torch.isfinite(t) & (t > 0))
+        rule = "a scale must be finite and > 0"
+    elif field == "amax_history":
+        bad = ~(torch.isfinite(t) & (t >= 0))
+        rule = "an amax history holds finite amaxes >= 0"
+    else:
+        return None
+    if not bool(bad.any()):
+        return None
+    values = t.reshape(-1)[bad.reshape(-1)][:4].tolist()
+    return f"{key} is {values[0] if t.dim() == 0 else values} ({rule})"
+
+
 class Fp8Scaling:
     """All FP8 scaling states of this rank's model chunks: naming, the per-step update, checkpoints."""
 
@@ -254,8 +275,9 @@ class Fp8Scaling:
                 for name, role, s in self._all() for field, t in s.tensors().items()}
 
     def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
-        """Copy a :meth:`state_dict` back exactly; refuses missing or unexpected keys and mismatched
-        shapes or dtypes (nothing is changed then)."""
+        """Copy a :meth:`state_dict` back exactly; refuses missing or unexpected keys, mismatched shapes or
+        dtypes, and values no run produces (a scale that is not finite and > 0, an amax history entry that is
+        not finite and >= 0): nothing is changed then."""
         expected = {f"{name}.{role}.{field}": t for name, role, s in self._all() for field, t in s.tensors().items()}
         missing = sorted(set(expected) - set(state))
         unexpected = sorted(set(state) - set(expected))
@@ -274,6 +296,10 @@ class Fp8Scaling:
         if problems:
             raise ValueError("FP8 scaling state_dict does not match this model ("
                              f"amax_history_len={self.cfg.amax_history_len}): " + "; ".join(problems))
+        impossible = [_impossible(key, state[key]) for key in sorted(expected)]
+        impossible = [p for p in impossible if p]
+        if impossible:
+            raise ValueError("FP8 scaling state holds impossible values: " + "; ".join(impossible))
         with torch.no_grad():
             for key, t in expected.items():
                 t.copy_(state[key])

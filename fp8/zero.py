@@ -463,6 +463,12 @@ class Fp8DataParallel(ZeroDataParallel):
         return self.autoscale.state_dict()
 
     def load_fp8_state(self, state: Dict[str, float]) -> None:
+        """mu and its counters from a checkpoint; a mu no run produces (not finite, outside AutoScale's
+        [MIN, MAX]) is refused, naming it."""
+        mu = state.get("mu") if isinstance(state, dict) else None
+        if not isinstance(mu, (int, float)) or isinstance(mu, bool) or not math.isfinite(mu) \
+                or not AutoScale.MIN <= mu <= AutoScale.MAX:
+            raise ValueError(f"FP8 gradient factor mu is {mu!r} (it is finite, in [2**-64, 2**64])")
         self.autoscale.load_state_dict(state)
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:

@@ -12,6 +12,9 @@ when larger than ``--max-shard-size``) and the tokenizer (our sentencepiece ``to
 ``tokenizer_config.json``, ``special_tokens_map.json``, and ``tokenizer.json`` when transformers is
 installed). A model Llama cannot express (``model.activation=gelu``, ``model.norm=layernorm``) is refused
 with one line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
+The export is written into a temporary directory and moved into ``DIR`` only when complete, so a failed
+export (bad checkpoint or tokenizer, full disk) leaves ``DIR`` as it was, a previous export included;
+``--force`` replaces the previous export's files and leaves other files in ``DIR`` alone.
 """
 from __future__ import annotations
 
@@ -21,6 +24,7 @@ import os
 import re
 import shutil
 import sys
+import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -74,12 +78,16 @@ def find_checkpoint(path: Path) -> Path:
 def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
     """Every ``model.<name>`` tensor of a checkpoint, whole (global shape), read in this process without a
     process group; names without the ``model.`` prefix."""
-    import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     import warnings
 
-    metadata = dcp.FileSystemReader(str(step_dir)).read_metadata()
+    from training.checkpoint import CheckpointError, load_dcp, read_dcp_metadata  # nothing in the files runs
+
+    try:
+        metadata = read_dcp_metadata(step_dir)
+    except CheckpointError as e:
+        raise HFError(str(e)) from None
     state = {key: torch.empty(md.size, dtype=md.properties.dtype)
              for key, md in metadata.state_dict_metadata.items()
              if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
@@ -87,7 +95,10 @@ def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
         raise HFError(f"checkpoint {step_dir} holds no model.* tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        try:
+            load_dcp(state, step_dir, no_dist=True)
+        except CheckpointError as e:
+            raise HFError(str(e)) from None
     return {key[len("model."):]: t for key, t in state.items()}
 
 
@@ -140,6 +151,20 @@ def resolve_tokenizer(name: str, override: str | None) -> Path:
     if found is not None:
         return found
     raise HFError(f"tokenizer {override or name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
+
+
+def check_tokenizer(model_file: Path, vocab_size: int) -> None:
+    """HFError unless ``model_file`` is a sentencepiece model whose ids fit the model's vocabulary."""
+    from data.indexed import DataError
+    from data.tokenizer import Tokenizer
+
+    try:
+        tok = Tokenizer(str(model_file))
+    except DataError as e:
+        raise HFError(f"tokenizer {e}") from None
+    if tok.vocab_size > vocab_size:
+        raise HFError(f"tokenizer {model_file} has {tok.vocab_size} tokens but the model's vocabulary has "
+                      f"{vocab_size} rows")
 
 
 def write_tokenizer(model_file: Path, out: Path, vocab_size: int, max_positions: int) -> Tuple[int, int]:
@@ -195,9 +220,61 @@ def _always_prefix_a_space(model_file: Path, tokenizer_json: Path) -> bool:
     return True
 
 
+def _staging_dir(out: Path) -> Path:
+    """An empty directory on ``out``'s file system to write the export into: inside ``out`` when it exists (the
+    files then move in one by one), else beside it (then renamed to ``out``); readable as ``out`` would be."""
+    if out.is_dir():
+        where, prefix = out, ".export_hf-"
+    else:
+        out.parent.mkdir(parents=True, exist_ok=True)
+        where, prefix = out.parent, f".{out.name}.export_hf-"
+    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+    umask = os.umask(0)
+    os.umask(umask)
+    os.chmod(staging, 0o777 & ~umask)  # mkdtemp creates it 0700
+    return staging
+
+
+def _publish(staging: Path, out: Path) -> None:
+    """Move a complete export from ``staging`` into ``out``. A new ``out`` is one rename. Into an existing one, the
+    files the export replaces (its names, and every weight file of an earlier export, which would mix with these)
+    are first moved aside, then the new ones in; a failing rename puts everything back. Other files stay."""
+    if not out.exists():
+        os.rename(staging, out)
+        return
+    new = sorted(p.name for p in staging.iterdir())
+    old = sorted(p.name for p in out.iterdir() if (p.is_file() or p.is_symlink())
+                 and (WEIGHT_FILES.match(p.name) or p.name in new))
+    aside = Path(tempfile.mkdtemp(prefix=".export_hf-previous-", dir=out))
+    moved_aside: List[str] = []
+    moved_in: List[str] = []
+    try:
+        for name in old:
+            os.rename(out / name, aside / name)
+            moved_aside.append(name)
+        for name in new:
+            os.rename(staging / name, out / name)
+            moved_in.append(name)
+    except OSError:
+        for name in reversed(moved_in):
+            os.rename(out / name, staging / name)
+        for name in reversed(moved_aside):
+            os.rename(aside / name, out / name)
+        raise
+    finally:
+        if len(moved_in) == len(new):
+            shutil.rmtree(aside, ignore_errors=True)
+        elif not any(aside.iterdir()):
+            aside.rmdir()
+
+
 def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
            tokenizer: str | None = None, no_tokenizer: bool = False, force: bool = False) -> Dict[str, Any]:
-    """Write the Llama directory; returns a summary (checkpoint, step, files)."""
+    """Write the Llama directory; returns a summary (checkpoint, step, files).
+
+    Everything is read and checked first (checkpoint, settings, tokenizer), then the whole export is written into
+    a temporary directory and moved into ``out`` only once complete: a failure at any point (a bad tokenizer or
+    checkpoint, a full disk) leaves ``out``, e.g. a previous export overwritten with ``--force``, as it was."""
     max_bytes = parse_size(max_shard_size)
     step_dir = find_checkpoint(checkpoint)
     try:
@@ -211,22 +288,25 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
         raise HFError(f"cannot export {step_dir} to Llama: " + "; ".join(problems))
     if out.exists() and not out.is_dir():
         raise HFError(f"--output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()):
-        if not force:
-            raise HFError(f"--output {out} is not empty (pass --force to write into it)")
-        for stale in out.iterdir():  # weights of an earlier export would mix with these
-            if WEIGHT_FILES.match(stale.name):
-                stale.unlink()
+    if out.is_dir() and any(out.iterdir()) and not force:
+        raise HFError(f"--output {out} is not empty (pass --force to write into it)")
+    m = model_config(settings)
     tok_file = None if no_tokenizer else resolve_tokenizer(config.get("data", {}).get("tokenizer", ""), tokenizer)
+    if tok_file is not None:
+        check_tokenizer(tok_file, m.vocab_size)
     tensors = to_hf(read_model_tensors(step_dir), settings)
     tensors = {k: t.to(DTYPES[dtype]) for k, t in tensors.items()}
-    out.mkdir(parents=True, exist_ok=True)
-    files = write_weights(tensors, out, max_bytes)
-    m = model_config(settings)
-    bos, eos = write_tokenizer(tok_file, out, m.vocab_size, m.max_positions) if tok_file else (None, None)
-    (out / "config.json").write_text(json.dumps(llama_config(settings, dtype=dtype, bos_id=bos, eos_id=eos),
-                                                indent=2) + "\n")
-    (out / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos}) + "\n")
+    staging = _staging_dir(out)
+    try:
+        files = write_weights(tensors, staging, max_bytes)
+        bos, eos = write_tokenizer(tok_file, staging, m.vocab_size, m.max_positions) if tok_file else (None, None)
+        (staging / "config.json").write_text(json.dumps(llama_config(settings, dtype=dtype, bos_id=bos, eos_id=eos),
+                                                        indent=2) + "\n")
+        (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos})
+                                                        + "\n")
+        _publish(staging, out)
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files,
             "parameters": sum(t.numel() for t in tensors.values())}
 
@@ -251,6 +331,11 @@ def main(argv=None) -> int:
     except ImportError as e:
         print(f"error: {e.name or e} is needed to write safetensors files (pip install safetensors)",
               file=sys.stderr)
+        return 2
+    except OSError as e:  # e.g. a full disk: nothing of --output changed
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: cannot write the export to {args.output}: {e.strerror or e}{where}; {args.output} is "
+              "unchanged", file=sys.stderr)
         return 2
     print(f"[export] {summary['checkpoint']} (step {summary['step']}, {summary['parameters'] / 1e6:.2f}M "
           f"parameters) -> {args.output}: {', '.join(summary['files'])}", file=sys.stderr)

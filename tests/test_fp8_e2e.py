@@ -173,3 +173,139 @@ def test_transformer_engine_backend_is_refused_plainly():
 
     with pytest.raises(ConfigError, match=r"fp8\.backend=te.*fp8\.backend=torch"):
         check_fp8_device(torch.device("cpu"), Fp8Config(backend="te"))
+
+
+# -- hand-edited checkpoints and precision changes on resume (issue 17) ---------------------------------------------
+
+def resume_worker(overrides, ckpt_dir, steps):
+    """Resume from ckpt_dir to ``steps``: (losses, console output) or the CheckpointError's message."""
+    import contextlib
+    import io
+
+    from training.checkpoint import CheckpointError
+
+    out = io.StringIO()
+    try:
+        with contextlib.redirect_stdout(out):
+            losses = checkpoint_worker(overrides, "resume", steps, ckpt_dir)
+    except CheckpointError as e:
+        return {"error": str(e)}
+    return {"losses": losses, "stdout": out.getvalue()}
+
+
+@pytest.fixture(scope="module")
+def fp8_checkpoint(tmp_path_factory):
+    """An fp8 run (delayed scaling, 4-step histories) saved at step 3, single process."""
+    ckpt = tmp_path_factory.mktemp("fp8_ckpt")
+    run_world(checkpoint_worker, 1, [FP8, "fp8.amax_history_len=4"], "fresh", 3, str(ckpt))
+    return ckpt
+
+
+def _rehash_all(step_dir):
+    """The manifest of every file now in the directory (hashlib, as whoever edited it would)."""
+    import hashlib
+    import json
+
+    files = {p.name: {"size": p.stat().st_size, "sha256": hashlib.sha256(p.read_bytes()).hexdigest()}
+             for p in step_dir.iterdir() if p.name != "manifest.json"}
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    (step_dir / "manifest.json").write_text(json.dumps({**manifest, "files": files}))
+
+
+def _edit_tensor(step_dir, key, edit):
+    """Rewrite the checkpoint's tensors with stock DCP (no process group) after ``edit(tensors[key])``."""
+    import pickle
+    import warnings
+
+    import torch.distributed.checkpoint as dcp
+
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # written by this test's own run
+    state = {k: torch.empty(m.size, dtype=m.properties.dtype) for k, m in metadata.state_dict_metadata.items()}
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore", UserWarning)
+        dcp.load(state, checkpoint_id=str(step_dir), no_dist=True)
+        if key is not None:
+            edit(state[key])
+        for p in list(step_dir.glob("__*.distcp")) + [step_dir / ".metadata"]:
+            p.unlink()
+        dcp.save(state, checkpoint_id=str(step_dir), no_dist=True)
+    _rehash_all(step_dir)
+
+
+def _first(step_dir, suffix):
+    import pickle
+
+    with open(step_dir / ".metadata", "rb") as f:
+        return sorted(k for k in pickle.load(f).state_dict_metadata if k.startswith("fp8.") and k.endswith(suffix))[0]
+
+
+@pytest.mark.parametrize("case,world,layout", [
+    ("untouched", 1, []), ("scale_nan", 1, []), ("scale_zero", 1, []), ("history_nan", 1, []), ("mu_nan", 1, []),
+    ("scale_nan", 2, ["parallel.pp=2"])], ids=["untouched", "scale_nan", "scale_zero", "history_nan", "mu_nan",
+                                               "scale_nan_on_one_stage_of_pp2"])
+def test_fp8_scaling_state_no_run_produces_is_refused_naming_it(fp8_checkpoint, tmp_path, case, world, layout):
+    """A hand-edited checkpoint (manifest re-hashed) whose FP8 scale is NaN or 0, whose amax history holds a NaN
+    or whose mu is NaN stops the resume with one line naming the tensor, on every rank (under pp=2 only the
+    first stage holds the edited layer: the other must stop too, not wait in a collective). 'untouched' is the
+    same rewrite without an edit: it resumes."""
+    import json
+    import math
+    import shutil
+
+    step_dir = tmp_path / "step_00000003"
+    shutil.copytree(fp8_checkpoint / "step_00000003", step_dir)
+    (tmp_path / "latest").write_text("step_00000003\n")
+    key, expected = None, None
+    if case.startswith("scale"):
+        key = _first(step_dir, ".input.scale" if case == "scale_nan" else ".weight.scale")
+        value = float("nan") if case == "scale_nan" else 0.0
+        _edit_tensor(step_dir, key, lambda t: t.fill_(value))
+        expected = f"{key[len('fp8.'):]} is {value}"
+    elif case == "history_nan":
+        key = _first(step_dir, ".grad.amax_history")
+        _edit_tensor(step_dir, key, lambda t: t.__setitem__(1, float("nan")))
+        expected = f"{key[len('fp8.'):]} is [nan]"
+    elif case == "mu_nan":
+        meta = json.loads((step_dir / "meta.json").read_text())
+        meta["fp8"]["mu"] = float("nan")
+        (step_dir / "meta.json").write_text(json.dumps(meta))
+        _rehash_all(step_dir)
+        expected = "mu is nan"
+    else:
+        _edit_tensor(step_dir, None, None)
+    out = run_world(resume_worker, world, [FP8, "fp8.amax_history_len=4", *layout], str(tmp_path), 5)
+    if expected is None:
+        assert all("error" not in r for r in out), out[0]
+        assert sorted(out[0]["losses"]) == [3, 4] and all(math.isfinite(v) for v in out[0]["losses"].values())
+        return
+    assert all(r == out[0] for r in out), out  # every rank stops with the same line
+    error = out[0].get("error")
+    assert error is not None and expected in error and "\n" not in error, error
+    assert str(step_dir) in error
+
+
+@pytest.fixture(scope="module")
+def bf16_checkpoint(tmp_path_factory):
+    ckpt = tmp_path_factory.mktemp("bf16_ckpt")
+    run_world(checkpoint_worker, 1, ["precision=bf16"], "fresh", 3, str(ckpt))
+    return ckpt
+
+
+@pytest.mark.parametrize("saved,resumed,line", [
+    ("fp8", "precision=bf16", "resuming a precision=fp8 checkpoint as precision=bf16: its FP8 scaling state "
+                              "(scales, amax histories, mu) is dropped"),
+    ("bf16", FP8, "resuming a precision=bf16 checkpoint as precision=fp8: FP8 scales, amax histories and mu start "
+                  "fresh"),
+    ("fp8", FP8, None)], ids=["fp8_as_bf16", "bf16_as_fp8", "fp8_as_fp8"])
+def test_resuming_in_another_precision_says_so_and_continues(fp8_checkpoint, bf16_checkpoint, tmp_path, saved,
+                                                             resumed, line):
+    import math
+    import shutil
+
+    shutil.copytree(fp8_checkpoint if saved == "fp8" else bf16_checkpoint, tmp_path / "ckpt")
+    out = run_world(resume_worker, 1, [resumed, "fp8.amax_history_len=4"], str(tmp_path / "ckpt"), 5)[0]
+    assert "error" not in out, out
+    said = [s for s in out["stdout"].splitlines() if "resuming a precision=" in s]
+    assert said == ([f"[checkpoint] {line} (step_00000003)"] if line else []), out["stdout"]
+    assert sorted(out["losses"]) == [3, 4] and all(math.isfinite(v) for v in out["losses"].values())

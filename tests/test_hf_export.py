@@ -241,3 +241,75 @@ def test_command_line(tp2_pp2, tmp_path):
                            str(tmp_path / "missing"), "--output", str(tmp_path / "out")], cwd=tmp_path,
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and proc.stderr.strip() == f"error: checkpoint {tmp_path / 'missing'} does not exist"
+
+
+# ---- --force over a previous export: nothing of it is lost when the new export fails --------------------------
+
+def _snapshot(directory: Path) -> dict:
+    return {p.name: p.read_bytes() for p in sorted(directory.iterdir())}
+
+
+def _rewrite(step_dir: Path, name: str, data: bytes) -> None:
+    """Replace a checkpoint file and record it in the manifest, so that the checkpoint still verifies."""
+    from training.checkpoint import file_digest
+
+    (step_dir / name).write_bytes(data)
+    manifest = json.loads((step_dir / "manifest.json").read_text())
+    manifest["files"][name] = file_digest(step_dir / name)
+    (step_dir / "manifest.json").write_text(json.dumps(manifest))
+
+
+def test_a_failed_forced_export_leaves_the_previous_export_intact(tp2_pp2, tmp_path, capsys, monkeypatch):
+    out = tmp_path / "hf"
+    assert export("--checkpoint", tp2_pp2, "--output", out) == 0
+    before = _snapshot(out)
+    capsys.readouterr()
+
+    def refused(*args) -> str:
+        assert export(*args, "--output", out, "--force") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith("error: "), err
+        assert _snapshot(out) == before, "the previous export changed"
+        return err
+
+    assert "tokenizer nowhere.model not found" in refused("--checkpoint", tp2_pp2, "--tokenizer", "nowhere.model")
+    (tmp_path / "text.model").write_text("not a sentencepiece model")
+    assert "not a valid SentencePiece model" in refused("--checkpoint", tp2_pp2, "--tokenizer",
+                                                        tmp_path / "text.model")
+    corrupted = tmp_path / "corrupted" / tp2_pp2.name
+    shutil.copytree(tp2_pp2, corrupted)
+    victim = sorted(corrupted.glob("*.distcp"))[0]
+    victim.write_bytes(victim.read_bytes()[:-100])
+    assert victim.name in refused("--checkpoint", corrupted)
+    incomplete = tmp_path / "incomplete" / tp2_pp2.name  # verifies, but its meta.json promises 8 layers, not 4
+    shutil.copytree(tp2_pp2, incomplete)
+    meta = json.loads((incomplete / "meta.json").read_text())
+    meta["config"]["model"]["n_layers"] = 8
+    _rewrite(incomplete, "meta.json", json.dumps(meta).encode())
+    assert "no tensor model.layers.4." in refused("--checkpoint", incomplete)
+
+    def disk_full(model_file, staging, *args):  # after the weights are written
+        assert (staging / "model.safetensors").is_file()
+        raise OSError(28, "No space left on device", str(staging / "tokenizer.model"))
+
+    monkeypatch.setattr(export_hf, "write_tokenizer", disk_full)
+    assert "No space left on device" in refused("--checkpoint", tp2_pp2)
+    monkeypatch.undo()
+    tokens = random_tokens(TOKENIZER_VOCAB, seed=4)  # still loadable, and still the model it was
+    assert_close(our_logits(tp2_pp2, tokens), hf_logits(out, tokens))
+    assert transformers.AutoTokenizer.from_pretrained(str(out))(PROMPT).input_ids
+
+
+def test_a_forced_export_replaces_the_previous_one_and_keeps_other_files(tp2_pp2, tmp_path):
+    out = tmp_path / "hf"
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--max-shard-size", "400KB", "--no-tokenizer") == 0
+    assert (out / "model.safetensors.index.json").is_file()
+    (out / "NOTES.md").write_text("mine")
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == [
+        "NOTES.md", "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]  # no shard or index of the previous export
+    assert (out / "NOTES.md").read_text() == "mine"
+    assert not list(tmp_path.glob(".*")), "a temporary directory was left beside the export"
+    tokens = random_tokens(TOKENIZER_VOCAB, seed=5)
+    assert_close(our_logits(tp2_pp2, tokens), hf_logits(out, tokens))

@@ -22,13 +22,25 @@ used, with a warning naming the file; if none is valid the run stops with a mess
 and changes nothing (``checkpoint.allow_fresh_start=true`` starts over instead). A
 save that fails (e.g. a full disk) removes its partial files and keeps the previous
 checkpoints. One trainer at a time writes a directory (``training/run_lock.py``).
+
+What loading trusts: nothing in a checkpoint runs. The manifest only catches accidents (whoever can edit a
+file can re-hash it), so every file is read as data: meta.json and manifest.json as JSON, tensors and the
+RNG files with torch's ``weights_only`` unpickler, and DCP's ``.metadata`` (a plain pickle) through
+:func:`read_dcp_metadata`, whose unpickler resolves only the globals that metadata holds (:data:`METADATA_GLOBALS`).
+Every DCP load in the project goes through it (:func:`load_dcp`); a file asking for anything else is refused
+with one line naming the file and the global, before anything in it runs. Values are checked too: FP8 scales
+must be finite and positive, amax histories finite and non-negative, mu within its bounds.
 """
 from __future__ import annotations
 
+import enum
 import errno
+import functools
 import hashlib
+import importlib
 import json
 import os
+import pickle
 import re
 import shutil
 import time
@@ -38,6 +50,7 @@ from typing import Any, Dict, List, Optional, Tuple
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
+from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
 
 from config import Config, to_dict
 from parallel import comm
@@ -135,6 +148,159 @@ def _write_json(path: Path, obj: Any) -> None:
         f.flush()
         os.fsync(f.fileno())
     os.replace(tmp, path)
+
+
+# -- reading without running anything ---------------------------------------------------------------------------
+_DCP_METADATA = "torch.distributed.checkpoint.metadata"
+METADATA_GLOBALS = frozenset({
+    f"{_DCP_METADATA}.{name}" for name in ("Metadata", "TensorStorageMetadata", "ChunkStorageMetadata",
+                                           "TensorProperties", "MetadataIndex", "StorageMeta", "_MEM_FORMAT_ENCODING")
+} | {"torch.distributed.checkpoint.filesystem._StorageInfo", "torch.Size", "torch.serialization._get_layout",
+     "pathlib.PosixPath"})
+"""What the ``.metadata`` pickle of our checkpoints refers to (measured on every layout: tp, pp, virtual stages,
+ZeRO 1-3, hpZ, GQA, fp8, imports), besides torch's dtypes (``torch.float32``...): DCP's metadata dataclasses,
+the storage info of each item, ``torch.Size`` (shapes, offsets), ``_get_layout`` (rebuilds ``torch.strided``
+from its name), the memory-format enum and ``PosixPath`` (the directory it was saved to). No builtins: dicts,
+lists, tuples, strings and numbers are pickle opcodes. Not ``BytesStorageMetadata``: DCP loads such items with
+``torch.load(weights_only=False)``, and our checkpoints hold only tensors."""
+
+
+def _shown(text: str) -> str:
+    """A name read from a file, safe to print on one line."""
+    return text[:200] if text.isprintable() else ascii(text[:200])
+
+
+class _MetadataUnpickler(pickle.Unpickler):
+    """``pickle.Unpickler`` (the C one) resolving only :data:`METADATA_GLOBALS` and torch dtypes."""
+
+    def __init__(self, file, where: Path):
+        super().__init__(file)
+        self.where = where
+
+    def find_class(self, module: str, name: str) -> Any:
+        full = f"{module}.{name}"
+        if full in METADATA_GLOBALS or (module == "torch" and isinstance(vars(torch).get(name), torch.dtype)):
+            return super().find_class(module, name)
+        raise CheckpointError(f"{self.where}: refused: its pickle refers to {_shown(full)}, which checkpoint metadata "
+                              "never holds (only torch.distributed.checkpoint's metadata classes, sizes and dtypes); "
+                              "nothing in the file was run")
+
+
+@functools.lru_cache(maxsize=None)
+def _mutable_globals() -> Tuple[Any, ...]:
+    """The allowed globals whose attributes a pickle's BUILD could set: find_class alone does not stop a pickle
+    from setting attributes of an allowed class (or function, or enum member), so these are compared before and
+    after a load."""
+    out: List[Any] = []
+    for full in sorted(METADATA_GLOBALS):
+        module, _, name = full.rpartition(".")
+        obj = getattr(importlib.import_module(module), name, None)
+        if obj is None or obj is torch.Size:  # absent from this torch, or immutable
+            continue
+        out.append(obj)
+        if isinstance(obj, type) and issubclass(obj, enum.Enum):
+            out += list(obj)
+    return tuple(out)
+
+
+def read_dcp_metadata(path: Path) -> Metadata:
+    """A checkpoint's DCP metadata (``.metadata``), read without running anything in it: CheckpointError (one line
+    naming the file) for a pickle that asks for another global, that sets attributes of an allowed class, or that
+    is not metadata of tensors stored in this directory."""
+    file = Path(path) / ".metadata"
+    guarded = _mutable_globals()
+    before = [dict(vars(g)) for g in guarded]
+    try:
+        with open(file, "rb") as f:
+            metadata = _MetadataUnpickler(f, file).load()
+    except CheckpointError:
+        raise
+    except Exception as e:  # noqa: BLE001 - a truncated or foreign file: named, one line
+        raise CheckpointError(f"{file}: not readable as checkpoint metadata ({e.__class__.__name__}: "
+                              f"{_shown(str(e).splitlines()[0] if str(e) else '')})") from None
+    finally:
+        changed = []
+        for g, saved in zip(guarded, before):
+            now = vars(g)
+            if now.keys() != saved.keys() or any(now[k] is not v for k, v in saved.items()):
+                changed.append(getattr(g, "__qualname__", repr(g)))
+                for k in set(now) - set(saved):
+                    delattr(g, k)
+                for k, v in saved.items():
+                    if now.get(k) is not v:
+                        setattr(g, k, v)
+        if changed:
+            raise CheckpointError(f"{file}: refused: its pickle sets attributes of {', '.join(changed)} (undone); "
+                                  "checkpoint metadata never does")
+    _check_metadata(metadata, file)
+    return metadata
+
+
+def _check_metadata(metadata: Any, file: Path) -> None:
+    """Metadata of tensors only, stored in files of the checkpoint directory itself."""
+    if not isinstance(metadata, Metadata) or not isinstance(metadata.state_dict_metadata, dict) \
+            or not isinstance(metadata.storage_data, dict):
+        raise CheckpointError(f"{file}: not torch.distributed.checkpoint metadata")
+    for key, md in metadata.state_dict_metadata.items():
+        if not isinstance(md, TensorStorageMetadata):
+            raise CheckpointError(f"{file}: entry {_shown(str(key))} is a {type(md).__name__}, not a tensor "
+                                  "(our checkpoints hold only tensors)")
+    for info in metadata.storage_data.values():
+        rel = getattr(info, "relative_path", None)
+        if not isinstance(rel, str) or not rel or rel != Path(rel).name or rel.startswith("."):
+            raise CheckpointError(f"{file}: names a data file {_shown(str(rel))} outside the checkpoint directory")
+
+
+class SafeFileSystemReader(dcp.FileSystemReader):
+    """DCP's file reader with :func:`read_dcp_metadata` for its metadata (tensor data is read as DCP does, with
+    ``torch.load(weights_only=True)``). Only the global ``.metadata``: without a ``rank`` keyword DCP does not fall
+    back to rank-local metadata files, which our checkpoints never have. The metadata is read once and kept, so
+    :func:`load_dcp` reads it before DCP does (DCP would log a refusal with a traceback and re-raise it as text)."""
+
+    _read: Optional[Tuple[Path, Metadata]] = None
+
+    def read_metadata(self) -> Metadata:  # type: ignore[override]
+        path = Path(self.path)
+        if self._read is None or self._read[0] != path:
+            self._read = (path, read_dcp_metadata(path))
+        metadata = self._read[1]
+        if getattr(metadata, "storage_meta", None) is None:
+            metadata.storage_meta = StorageMeta()
+        metadata.storage_meta.load_id = self.load_id
+        return metadata
+
+
+def load_dcp(state: Dict[str, torch.Tensor], path: Path, no_dist: bool = False) -> None:
+    """``dcp.load`` of a checkpoint directory through :class:`SafeFileSystemReader` (every DCP load of the
+    project goes through here); a refused metadata file raises its one-line CheckpointError before DCP starts
+    (on every rank: each reads the same file)."""
+    reader = SafeFileSystemReader(str(path))
+    reader.read_metadata()
+    dcp.load(state, storage_reader=reader, no_dist=no_dist)
+
+
+def read_rng_file(file: Path) -> Dict[str, torch.Tensor]:
+    """A per-rank RNG file's streams, loaded with ``weights_only=True`` (it holds byte tensors and a tuple of
+    ints); CheckpointError naming the file (and any global it calls for) otherwise."""
+    try:
+        state = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001 - named below, one line
+        try:
+            unsafe = torch.serialization.get_unsafe_globals_in_checkpoint(file)
+        except Exception:  # noqa: BLE001 - not even a torch file
+            unsafe = []
+        named = re.search(r"GLOBAL (\S+)", str(e))  # torch's own words, for a file it cannot list
+        unsafe = unsafe or ([named.group(1)] if named else [])
+        if unsafe:
+            raise CheckpointError(f"{file}: refused: it refers to {', '.join(_shown(u) for u in unsafe)}, which an "
+                                  "RNG state never holds; nothing in the file was run") from None
+        raise CheckpointError(f"{file}: not readable as an RNG state ({e.__class__.__name__})") from None
+    rng = state.get("rng") if isinstance(state, dict) else None
+    if not isinstance(rng, dict) or set(rng) != {"default", "tp", "cpu"} or \
+            not all(isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in rng.values()):
+        raise CheckpointError(f"{file}: not an RNG state (expected byte tensors 'default', 'tp' and 'cpu' "
+                              "under 'rng')")
+    return rng
 
 
 class Checkpointer:
@@ -321,23 +487,56 @@ class Checkpointer:
 
     # -- load -------------------------------------------------------------------------------------
     def load(self, path: Path, with_optimizer: bool = True) -> Dict[str, Any]:
-        """Load a checkpoint into the engine (any layout); returns its meta (step, consumed_samples, ...)."""
+        """Load a checkpoint into the engine (any layout); returns its meta (step, consumed_samples, ...).
+
+        Nothing in it runs (see the module docstring). Impossible FP8 scaling values (a scale NaN, inf or <= 0,
+        an amax history entry NaN, inf or < 0, mu outside its bounds) and RNG files that are not RNG states are
+        refused with one line naming the tensor or file, on every rank. A resume (``with_optimizer``) into another
+        precision says so on rank 0: FP8 scaling state is dropped (fp8 -> other) or starts fresh (other -> fp8)."""
         meta = self._read_meta(path, f"checkpoint {path}")
         mismatched = self._model_mismatch(meta)
         if mismatched:
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
+        run_fp8 = self.engine.fp8_scaling is not None
         tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8)
-        if saved_fp8 and self.engine.fp8_scaling is not None:
-            scaling = self.engine.fp8_scaling
-            dcp.load(tensors, checkpoint_id=str(path))
-            scaling.load_state_dict({k[len("fp8."):]: v for k, v in tensors.items() if k.startswith("fp8.")})
-        else:
-            dcp.load(tensors, checkpoint_id=str(path))
+        load_dcp(tensors, path)
+        problem, rng = None, None
+        try:  # every check before anything is applied, then all ranks agree (a lone failure would hang the rest)
+            if saved_fp8 and run_fp8:
+                self.engine.fp8_scaling.load_state_dict(
+                    {k[len("fp8."):]: v for k, v in tensors.items() if k.startswith("fp8.")})
+                if with_optimizer:
+                    self.engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
+            rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
+            if with_optimizer and meta["layout"] == self._layout() and rng_file.is_file():
+                rng = read_rng_file(rng_file)
+        except ValueError as e:  # fp8/scaling.py, fp8/zero.py: names the tensor or value
+            problem = f"checkpoint {path}: {e}"
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [p for p in comm.all_gather_object(problem, self.world) if p]
+        if problems:
+            raise CheckpointError(problems[0])
         self.engine.dp.after_load()
         if with_optimizer:
-            self._restore_counters(meta, path)
+            self._restore_counters(meta, rng)
+            self._say_precision_change(meta, path)
         return meta
+
+    def _say_precision_change(self, meta: Dict[str, Any], path: Path) -> None:
+        """One line on rank 0 when a resume changes the precision (what happens to the FP8 scaling state)."""
+        then = (meta.get("config") or {}).get("precision") or ("fp8" if meta.get("fp8") is not None else None)
+        now = self.cfg.precision
+        if self.mesh.rank != 0 or then is None or then == now:
+            return
+        what = ""
+        if then == "fp8":
+            what = ": its FP8 scaling state (scales, amax histories, mu) is dropped"
+        elif now == "fp8":
+            what = ": FP8 scales, amax histories and mu start fresh"
+        print(f"[checkpoint] resuming a precision={then} checkpoint as precision={now}{what} ({path.name})",
+              flush=True)
 
     def _read_meta(self, path: Path, what: str) -> Dict[str, Any]:
         """The meta.json of a checkpoint whose files pass verification (sizes and hashes) and whose format we read."""
@@ -370,19 +569,16 @@ class Checkpointer:
             raise CheckpointError(f"{key}={path} holds a different model ({', '.join(mismatched)}); "
                                   "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
         tensors = self._tensors(for_load=True, with_optimizer=False, fp8=False)
-        dcp.load(tensors, checkpoint_id=str(path))
+        load_dcp(tensors, path)
         self.engine.dp.after_load()
         return meta
 
-    def _restore_counters(self, meta: Dict[str, Any], path: Path) -> None:
+    def _restore_counters(self, meta: Dict[str, Any], rng: Optional[Dict[str, torch.Tensor]]) -> None:
+        """Step counters and loss scale from meta.json; this rank's RNG streams when the layout is unchanged."""
         engine = self.engine
         engine.step = meta["step"]
         engine.skipped_steps = meta["skipped_steps"]
         engine.scaler.load_state_dict(meta["loss_scaler"])
-        if engine.fp8_scaling is not None and meta.get("fp8") is not None:
-            engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
         engine.dp.set_optimizer_steps(engine.step - engine.skipped_steps)
-        same = meta["layout"] == self._layout()
-        rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
-        if same and rng_file.is_file():
-            engine.rng.load_state_dict(torch.load(rng_file, weights_only=False)["rng"])
+        if rng is not None:
+            engine.rng.load_state_dict(rng)
