@@ -34,7 +34,7 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 import torch  # noqa: E402
 
 from model.hf import HFError, export_problems, llama_config, model_config, to_hf  # noqa: E402
-from training.checkpoint import STEP_DIR, checkpoint_root, verify  # noqa: E402
+from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
@@ -51,30 +51,6 @@ def parse_size(text: str) -> int:
 
 # ---- the checkpoint -----------------------------------------------------------------------------------------
 
-def find_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the newest valid one under a root or run directory."""
-    if not path.exists():
-        raise HFError(f"checkpoint {path} does not exist")
-    if (path / "meta.json").is_file():
-        problem = verify(path)
-        if problem:
-            raise HFError(f"checkpoint {path} is not usable: {problem}")
-        return path
-    root = checkpoint_root(path)
-    candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
-    if not candidates:
-        raise HFError(f"no checkpoint in {path} (expected meta.json, step_*/ or checkpoints/step_*/ there)")
-    rejected = []
-    for step_dir in candidates:
-        problem = verify(step_dir)
-        if problem is None:
-            for name, why in rejected:
-                print(f"[export] WARNING: {name} is not usable ({why}); exporting {step_dir.name}", file=sys.stderr)
-            return step_dir
-        rejected.append((step_dir.name, problem))
-    raise HFError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
-
-
 def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
     """Every ``model.<name>`` tensor of a checkpoint, whole (global shape), read in this process without a
     process group; names without the ``model.`` prefix."""
@@ -82,7 +58,7 @@ def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
 
     import warnings
 
-    from training.checkpoint import CheckpointError, load_dcp, read_dcp_metadata  # nothing in the files runs
+    from training.checkpoint import load_dcp, read_dcp_metadata  # nothing in the files runs
 
     try:
         metadata = read_dcp_metadata(step_dir)
@@ -276,7 +252,10 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
     a temporary directory and moved into ``out`` only once complete: a failure at any point (a bad tokenizer or
     checkpoint, a full disk) leaves ``out``, e.g. a previous export overwritten with ``--force``, as it was."""
     max_bytes = parse_size(max_shard_size)
-    step_dir = find_checkpoint(checkpoint)
+    try:
+        step_dir = find_checkpoint(checkpoint, "exporting")
+    except CheckpointError as e:
+        raise HFError(str(e)) from None
     try:
         meta = json.loads((step_dir / "meta.json").read_text())
         config = meta["config"]

@@ -44,35 +44,6 @@ class GenerateError(ValueError):
     """A bad input (path, checkpoint, tokenizer, option); the message is one line naming it."""
 
 
-def find_checkpoint(path: Path) -> Path:
-    """The checkpoint directory ``path`` names: itself, or the newest valid one under a root or run directory
-    (verified against its manifest in this process, before anything is built)."""
-    from training.checkpoint import STEP_DIR, checkpoint_root, verify
-
-    if not path.exists():
-        raise GenerateError(f"checkpoint {path} does not exist")
-    if not path.is_dir():
-        raise GenerateError(f"checkpoint {path} is not a directory")
-    if (path / "meta.json").is_file():
-        problem = verify(path)
-        if problem:
-            raise GenerateError(f"checkpoint {path} is not usable: {problem}")
-        return path
-    root = checkpoint_root(path)
-    candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
-    if not candidates:
-        raise GenerateError(f"no checkpoint in {path} (expected meta.json, step_*/ or checkpoints/step_*/ there)")
-    rejected = []
-    for step_dir in candidates:
-        problem = verify(step_dir)
-        if problem is None:
-            for name, why in rejected:
-                print(f"[generate] WARNING: {name} is not usable ({why}); sampling {step_dir.name}", file=sys.stderr)
-            return step_dir
-        rejected.append((step_dir.name, problem))
-    raise GenerateError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
-
-
 def read_meta(step_dir: Path) -> Dict[str, Any]:
     """meta.json of a verified checkpoint; GenerateError when it is not a JSON object with a config in it."""
     meta_file = step_dir / "meta.json"
@@ -171,13 +142,13 @@ def main(argv=None) -> int:
     from parallel.launch import LaunchEnv, init_distributed
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
-    from training.checkpoint import Checkpointer
+    from training.checkpoint import Checkpointer, find_checkpoint
     from training.engine import Engine
 
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GenerateError("--device cuda was requested but CUDA is not available")
-    path = find_checkpoint(Path(args.checkpoint))
+    path = find_checkpoint(Path(args.checkpoint), "sampling")
     cfg = build_config(read_meta(path), args.device, path / "meta.json")
     tok = Tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
     if tok.vocab_size > cfg.model.vocab_size:

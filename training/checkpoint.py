@@ -43,6 +43,7 @@ import os
 import pickle
 import re
 import shutil
+import sys
 import time
 from pathlib import Path
 from typing import Any, Dict, List, Optional, Tuple
@@ -110,6 +111,35 @@ def verify(path: Path) -> Optional[str]:
 def checkpoint_root(path: Path) -> Path:
     """The directory holding a run's ``step_*`` checkpoints: ``path``, or the ``checkpoints/`` of a run directory."""
     return path / "checkpoints" if (path / "checkpoints").is_dir() and not any(path.glob("step_*")) else path
+
+
+def find_checkpoint(path: Path, purpose: str) -> Path:
+    """The checkpoint directory ``path`` names (for the scripts that read one in a process of their own): itself,
+    or the newest valid one under a checkpoint root or run directory, verified against its manifest before
+    anything is built. Skipped invalid ones are named on stderr ("...; <purpose> step_N"); CheckpointError (one
+    line) when there is none."""
+    if not path.exists():
+        raise CheckpointError(f"checkpoint {path} does not exist")
+    if not path.is_dir():
+        raise CheckpointError(f"checkpoint {path} is not a directory")
+    if (path / "meta.json").is_file():
+        problem = verify(path)
+        if problem:
+            raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        return path
+    root = checkpoint_root(path)
+    candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    if not candidates:
+        raise CheckpointError(f"no checkpoint in {path} (expected meta.json, step_*/ or checkpoints/step_*/ there)")
+    rejected = []
+    for step_dir in candidates:
+        problem = verify(step_dir)
+        if problem is None:
+            for name, why in rejected:
+                print(f"WARNING: {name} is not usable ({why}); {purpose} {step_dir.name}", file=sys.stderr)
+            return step_dir
+        rejected.append((step_dir.name, problem))
+    raise CheckpointError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
 
 
 def _oserror(e: BaseException) -> Optional[OSError]:
