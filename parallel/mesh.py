@@ -17,9 +17,15 @@ Groups (each a ``comm.Group`` sharing one byte ledger):
 The tp/pp/dp groups come from torch's DeviceMesh, which also serves DTensor-based
 checkpointing; the others are created with ``new_group`` in a fixed order on
 every rank (a requirement of torch.distributed).
+
+Every group carries the collective timeout of the default process group
+(``parallel.timeout_s``, given to ``init_process_group``): torch gives a group
+created without one its own default (30 minutes), so a stuck rank would leave its
+peers waiting that long in any collective outside ``world``.
 """
 from __future__ import annotations
 
+from datetime import timedelta
 from typing import Callable, Dict, List
 
 import torch
@@ -28,6 +34,23 @@ from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
 
 from parallel.comm import Group, Ledger
 from parallel.layout import Layout
+
+
+def default_timeout(device: torch.device) -> timedelta:
+    """The collective timeout of the default process group (what ``init_process_group`` was given)."""
+    backend = dist.distributed_c10d._get_default_group()._get_backend(torch.device(device.type))
+    return backend.options._timeout
+
+
+def _pg_options(device: torch.device, timeout: timedelta):
+    """Backend options that carry ``timeout``, for DeviceMesh's ``backend_override``."""
+    if device.type == "cuda":
+        options = dist.ProcessGroupNCCL.Options()
+        options.is_high_priority_stream = False  # torch's default for NCCL groups
+    else:
+        options = dist.ProcessGroupGloo._Options()
+    options._timeout = timeout
+    return options
 
 
 class Mesh:
@@ -39,9 +62,12 @@ class Mesh:
         self.device = device
         self.rank = dist.get_rank()
         self.ledger = Ledger()
+        self.timeout = default_timeout(device)  # of every group, as of world (parallel.timeout_s)
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(self.rank)
+        options = {dim: _pg_options(device, self.timeout) for dim in ("pp", "dp", "tp")}
         self.device_mesh: DeviceMesh = init_device_mesh(
-            device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"))
+            device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"),
+            backend_override=options)
         self.world = self._group("world", list(range(layout.world_size)), dist.group.WORLD)
         self.tp = self._group("tp", layout.tp_ranks(self.rank), self.device_mesh.get_group("tp"))
         self.pp = self._group("pp", layout.pp_ranks(self.rank), self.device_mesh.get_group("pp"))
@@ -67,7 +93,7 @@ class Mesh:
         for ranks in distinct:
             if len(ranks) == 1:
                 continue
-            created = dist.new_group(list(ranks))
+            created = dist.new_group(list(ranks), timeout=self.timeout)
             if list(ranks) == mine:
                 pg = created
         return self._group(name, mine, pg)

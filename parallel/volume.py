@@ -44,8 +44,11 @@ def _ring(n: int) -> float:
     return 2 * (n - 1) / n if n > 1 else 0.0
 
 
-def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
-    """Bytes this rank sends in one training step, by group name."""
+def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False) -> Dict[str, float]:
+    """Bytes this rank sends in one training step, by group name.
+
+    ``secondary_valid``: ZeRO-3 with hpZ, a validation pass ran since the last optimizer step and built the
+    secondary copies, so this step gathers only from them (``zero_step_bytes``)."""
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[cfg.precision]
     s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model
@@ -94,7 +97,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
         out["pp"] += act * len(sends(action, pp, vp, pp_rank))
 
     if fp8:
-        for group, nbytes in fp8_dp_step_bytes(cfg, layout, rank).items():
+        for group, nbytes in fp8_dp_step_bytes(cfg, layout, rank, secondary_valid).items():
             out[group] += nbytes
         linears = 4 * layers + (1 if head_fp8 and last_v in stages else 0)
         for group, nbytes in fp8_amax_bytes(cfg, layout, linears, mb).items():
@@ -106,13 +109,13 @@ def step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
             out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
         out["mp"] += _ring(pp * t) * 4
     else:
-        for group, nbytes in zero_step_bytes(cfg, layout, rank).items():
+        for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid).items():
             out[group] += nbytes
     out["world"] += _ring(layout.world_size) * 4
     return dict(out)
 
 
-def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
+def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False) -> Dict[str, float]:
     """ZeRO 1-3 traffic of one step, per unit (``parallel/zero/units.py``) with S its padded shard:
 
       stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
@@ -120,14 +123,15 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
                   once more for backward (recomputation reuses the backward gather), reduce-scatter (N-1) S e_r
       ZeRO++      (``parallel/zero/zeropp.py``) qwZ: a gather from primary shards sends quantized bytes instead;
                   hpZ: only the step's first gather of a unit is from primary shards (on dp), every other is
-                  (H-1) N S / H e_c on dp_hpz; qgZ: units of at least qgz_min_numel elements reduce by the
-                  two all-to-alls (dp_intra, dp_inter) of ``QgzPlan`` instead of the reduce-scatter
+                  (H-1) N S / H e_c on dp_hpz; with ``secondary_valid`` (a validation pass since the last step
+                  built the secondary copies) the first one too; qgZ: units of at least qgz_min_numel elements
+                  reduce by the two all-to-alls (dp_intra, dp_inter) of ``QgzPlan`` instead of the reduce-scatter
       all         sequence-parallel gradient pieces in this rank's shards all-reduced over TP; the tied
                   embedding's gradient shard over first + last stage; the norm's square sum over the world
     (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
-    from parallel.zero.zeropp import QgzPlan, Quant, hpz_gather_bytes, qwz_gather_bytes
+    from parallel.zero.zeropp import QgzPlan, Quant
 
     z, n, t = cfg.zero, layout.dp, layout.tp
     e_c = DTYPE_BYTES[cfg.precision]
@@ -135,7 +139,6 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
     pp_rank, dp_rank, _ = layout.coords(rank)
     mb = layout.num_microbatches
     tie = cfg.model.tie_embeddings and layout.pp > 1
-    qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
     qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
     x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
@@ -146,12 +149,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
             s = shard.shard_size
             if z.stage == 3:
                 gathers = mb * (sum(k in use.units for use in uses) + 1)
-                primary = qwz_gather_bytes(s, n, qwz) if qwz else (n - 1) * s * e_c
-                if z.hpz_size > 1:
-                    out["dp"] += primary
-                    out["dp_hpz"] += (gathers - 1) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
-                else:
-                    out["dp"] += gathers * primary
+                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid).items():
+                    out[group] += nbytes
                 if qgz and n > 1 and n * s >= z.qgz_min_numel:
                     intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages).bytes_per_rank()
                     out["dp_intra"] += mb * intra
@@ -166,6 +165,58 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
                 out["embedding"] += _ring(2) * s * e_r
     out["world"] += _ring(layout.world_size) * 4
     return dict(out)
+
+
+def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool) -> Dict[str, float]:
+    """``gathers`` stage-3 gathers of a unit with shards of ``s`` elements over ``n`` DP ranks, by group: from the
+    primary shards (qwZ: quantized), or with hpZ the first from them (none if ``secondary_valid``), the rest from
+    the secondary copies inside the node."""
+    from parallel.zero.zeropp import Quant, hpz_gather_bytes, qwz_gather_bytes
+
+    z, e_c = cfg.zero, DTYPE_BYTES[cfg.precision]
+    qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
+    primary = qwz_gather_bytes(s, n, qwz) if qwz else (n - 1) * s * e_c
+    if z.hpz_size == 1:
+        return {"dp": gathers * primary}
+    first = 0 if secondary_valid else min(1, gathers)
+    return {"dp": first * primary, "dp_hpz": (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)}
+
+
+def _fp8_stage3_gathers(cfg: Config, unit, gathers: int, s: int, n: int, secondary_valid: bool) -> Dict[str, float]:
+    """The same for FP8 (``fp8_dp_step_bytes``): E4M3 shards with their T scales."""
+    T, h = len(unit.params), cfg.zero.hpz_size
+    payload = (n - 1) * (s + 4 * T)
+    if h == 1:
+        return {"dp": gathers * payload}
+    first = 0 if secondary_valid else min(1, gathers)
+    total = sum(p.numel() for p in unit.params)  # hpZ slices the compact bytes, no padding
+    return {"dp": first * payload, "dp_hpz": (gathers - first) * (h - 1) * (-(-total // h) + 4 * T)}
+
+
+def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_step: bool = True) -> Dict[str, float]:
+    """ZeRO-3's weight gathers in one validation batch (a forward-only pass over the micro-batches: one gather
+    per module use of a unit and micro-batch), by group. With hpZ, the pass that follows an optimizer step
+    (``first_after_step``) gathers each unit once from the primary shards and keeps the secondary copy; every
+    other gather of it, and all of a later pass before the next step, is inside the node. Empty below stage 3
+    (the parameters stay whole between steps)."""
+    from parallel.zero.partition import shard_layout
+    from parallel.zero.units import chunk_units, meta_chunks
+
+    z, n = cfg.zero, layout.dp
+    out: Dict[str, float] = defaultdict(float)
+    if z.stage != 3:
+        return {}
+    fp8 = cfg.precision == "fp8"
+    for chunk in meta_chunks(cfg, layout, layout.coords(rank)[0]):
+        units, uses = chunk_units(chunk)
+        for k, unit in enumerate(units):
+            s = shard_layout([p.numel() for p in unit.params], n, "whole_tensor" if fp8 else z.partition).shard_size
+            gathers = layout.num_microbatches * sum(k in use.units for use in uses)
+            gathered = (_fp8_stage3_gathers(cfg, unit, gathers, s, n, not first_after_step) if fp8
+                        else _stage3_gathers(cfg, gathers, s, n, not first_after_step))
+            for group, nbytes in gathered.items():
+                out[group] += nbytes
+    return {g: v for g, v in out.items() if v}
 
 
 def _local_parameters(cfg: Config, layout: Layout, stages) -> float:
@@ -189,7 +240,7 @@ def _local_parameters(cfg: Config, layout: Layout, stages) -> float:
     return total
 
 
-def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float]:
+def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False) -> Dict[str, float]:
     """Data-parallel traffic of one step under ``precision=fp8`` (``fp8/zero.py``), per unit with the
     ``whole_tensor`` partition (S its padded shard, T its tensors, N the DP size):
 
@@ -197,8 +248,9 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float
                   stage 0 all-gathers the reduced FP8 shards back, (N-1) S more
       weights     stages 1-2: after the step, all-gather of (S + 4 T) bytes (E4M3 shard + its scales);
                   stage 3: the same payload per gather (forward uses + 1 backward, per micro-batch), or with
-                  hpZ the first from primary shards and the rest (H-1)(ceil(P / H) + 4 T) on dp_hpz (P the
-                  unit's elements: the secondary slices hold the compact E4M3 bytes, no layout padding)
+                  hpZ the first from primary shards (none with ``secondary_valid``: a validation pass built the
+                  secondary copies) and the rest (H-1)(ceil(P / H) + 4 T) on dp_hpz (P the unit's elements: the
+                  secondary slices hold the compact E4M3 bytes, no layout padding)
       always      sequence-parallel gradient pieces of the unit (fp32) all-reduced over TP; the gradient
                   norm's square (fp32) over the world (stage 0: the model-parallel ranks) and mu's overflow
                   and element counts (two fp64) over the world."""
@@ -216,18 +268,12 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int) -> Dict[str, float
             kind = "flat" if z.stage == 0 else "whole_tensor"  # stage 0: no owner, any even split works
             s = shard_layout([p.numel() for p in unit.params], n, kind).shard_size
             out["dp"] += _ring(n) * 4 * T + (n - 1) * s * (2 if z.stage == 0 else 1)
-            payload = (n - 1) * (s + 4 * T)
             if z.stage in (1, 2):
-                out["dp"] += payload
+                out["dp"] += (n - 1) * (s + 4 * T)
             elif z.stage == 3:
                 gathers = mb * (sum(k in use.units for use in uses) + 1)
-                if z.hpz_size > 1:
-                    h = z.hpz_size
-                    out["dp"] += payload
-                    total = sum(p.numel() for p in unit.params)  # hpZ slices the compact bytes, no padding
-                    out["dp_hpz"] += (gathers - 1) * (h - 1) * (-(-total // h) + 4 * T)
-                else:
-                    out["dp"] += gathers * payload
+                for group, nbytes in _fp8_stage3_gathers(cfg, unit, gathers, s, n, secondary_valid).items():
+                    out[group] += nbytes
             sp = sum(p.numel() for p in unit.params if p.spec.sequence_parallel)
             out["tp"] += _ring(t) * 4 * sp
     out["mp" if z.stage == 0 else "world"] += _ring(layout.world_size if z.stage else layout.pp * t) * 4

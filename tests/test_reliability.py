@@ -385,3 +385,112 @@ def test_a_rank_whose_peer_timed_out_first_still_names_the_absent_rank():
     assert "connection closed by peer" in out[0].lower(), out[0]
     assert out[0].startswith("all_reduce on group dp (ranks [0, 1, 2]) failed on rank 0")
     assert "rank(s) [2] did not arrive (collective #1 of this group)" in out[0], out[0]
+
+
+# -- a rank frozen inside a ZeRO++ hop ends the whole job within a few timeouts (issue 17, bug 5) -------------
+FREEZE_IN_QGZ = """
+import os, signal, sys, time
+sys.path.insert(0, {root!r})
+rank = int(os.environ["RANK"])
+with open(os.path.join({pids!r}, str(rank)), "w") as f:  # for the test's clean-up
+    f.write(str(os.getpid()))
+import train
+from parallel import comm
+from training import engine
+
+computing = [0]  # the step being computed
+real_train_step, real_all_to_all = engine.Engine.train_step, comm.all_to_all
+
+def train_step(self, batch):
+    computing[0] = self.step + 1
+    return real_train_step(self, batch)
+
+def all_to_all(out, inp, group, async_op=False):
+    if rank == {stuck} and group.name == "dp_inter" and computing[0] == {step}:  # qgZ's inter-node hop
+        with open({marker!r} + ".tmp", "w") as f:
+            f.write(repr(time.time()))
+        os.rename({marker!r} + ".tmp", {marker!r})
+        os.kill(os.getpid(), signal.SIGSTOP)  # frozen, like `kill -STOP`: no error, no exit, sockets open
+    return real_all_to_all(out, inp, group, async_op)
+
+engine.Engine.train_step, comm.all_to_all = train_step, all_to_all
+train._exit(train.main(sys.argv[1:]))
+"""
+
+
+def _running(pid: int, script: Path) -> bool:
+    """Is ``pid`` still a (non-zombie) rank running ``script``? (a reused pid runs something else)"""
+    try:
+        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
+        return state not in ("Z", "X") and str(script).encode() in Path(f"/proc/{pid}/cmdline").read_bytes()
+    except (FileNotFoundError, ProcessLookupError, IndexError):
+        return False
+
+
+def _kill_our_worker(pid: int, script: Path) -> None:
+    """SIGCONT + SIGKILL a rank this test started, if it is still there."""
+    if _running(pid, script):
+        try:
+            os.kill(pid, signal.SIGCONT)
+            os.kill(pid, signal.SIGKILL)
+        except ProcessLookupError:
+            pass
+
+
+def test_a_rank_frozen_in_a_zeropp_hop_ends_the_job_naming_a_rank(tmp_path):
+    """ZeRO++ (qwZ + qgZ + hpZ 2) on 2 simulated nodes x 2 under torchrun, parallel.timeout_s=15: rank 3 stops
+    itself with SIGSTOP as it enters qgZ's inter-node all-to-all (dp_inter) in step 3. Its peers time out on
+    the ZeRO++ groups, rank 0 prints one error naming a rank that did not arrive, torchrun ends the job (the
+    frozen rank SIGKILLed after its 30 s shutdown grace) well within the issue's 2 minutes, and the checkpoint
+    of step 2 verifies. Before the fix the sub-groups had torch's 30-minute default: nothing ended."""
+    import re
+    import time
+
+    from training.checkpoint import verify
+
+    run_dir, pids, marker = tmp_path / "run", tmp_path / "pids", tmp_path / "stopped"
+    pids.mkdir()
+    script = tmp_path / "freeze_in_qgz.py"
+    script.write_text(FREEZE_IN_QGZ.format(root=str(ROOT), pids=str(pids), stuck=3, step=3, marker=str(marker)))
+    args = FAST + ["train.global_batch_size=16", "parallel.ranks_per_node=2", "zero.stage=3",
+                   "zero.quantized_weights=true", "zero.quantized_gradients=true", "zero.hpz_size=2",
+                   "zero.qgz_min_numel=0", "parallel.timeout_s=15", "train.max_steps=100000", "checkpoint.interval=2",
+                   f"logging.run_dir={run_dir}"]
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), *args]
+    with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
+        job = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True,
+                               env={**os.environ, "OMP_NUM_THREADS": "1"})
+    stderr = lambda: (tmp_path / "err.txt").read_text()  # noqa: E731
+    try:
+        deadline = time.time() + 240  # start-up and 2 steps on a loaded machine
+        while not marker.exists():
+            assert job.poll() is None, f"the job ended before rank 3 froze:\n{stderr()[-3000:]}"
+            assert time.time() < deadline, "rank 3 never reached qgZ's inter-node hop in step 3"
+            time.sleep(0.1)
+        frozen_at = float(marker.read_text())
+        try:
+            job.wait(timeout=max(1.0, frozen_at + 120 - time.time()))
+        except subprocess.TimeoutExpired:
+            pytest.fail(f"the job still runs 2 minutes after rank 3 froze:\n{stderr()[-3000:]}")
+        print(f"job ended {time.time() - frozen_at:.1f} s after rank 3 froze")
+        assert job.returncode not in (0, None)
+        ranks = {int(p.name): int(p.read_text()) for p in pids.iterdir()}
+        assert sorted(ranks) == [0, 1, 2, 3]
+        assert not [r for r, pid in ranks.items() if _running(pid, script)], "a rank outlived the job"
+        lines = [line for line in stderr().splitlines() if line.startswith("error: ")]
+        assert len(lines) == 1, stderr()[-3000:]  # rank 0's
+        print(lines[0])
+        assert re.search(r"failed on rank 0: .*(rank\(s\) \[\d+(, \d+)*\] did not arrive|peer rank \d)", lines[0]), \
+            lines[0]
+        ckpts = run_dir / "checkpoints"
+        assert (ckpts / "latest").read_text().strip() == "step_00000002"
+        assert verify(ckpts / "step_00000002") is None
+        assert not [p.name for p in ckpts.iterdir() if p.name.startswith(".")], "a partial save was left"
+    finally:
+        for pid_file in pids.iterdir():
+            text = pid_file.read_text()
+            if text.isdigit():
+                _kill_our_worker(int(text), script)
+        if job.poll() is None:
+            os.killpg(job.pid, signal.SIGKILL)
+            job.wait()

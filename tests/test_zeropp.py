@@ -67,10 +67,26 @@ def hpz_survival_worker(overrides, steps):
     return {"losses": losses, "vals": vals, "comm": comms[-1], "comms": comms}
 
 
+def assert_step_bytes(comms, overrides, world, secondary_valid):
+    """Each rank's counted bytes of one step (``comms[rank]``) are the analytic ones: a step that starts with
+    hpZ's secondary copies already built (by a validation pass since the last optimizer step) or not."""
+    from parallel.layout import make_layout
+    from parallel.volume import step_bytes
+
+    cfg = tiny_config(*overrides)
+    layout = make_layout(cfg, world, cfg.parallel.ranks_per_node or world)
+    for rank, comm in enumerate(comms):
+        counted, analytic = comm["by_group"], step_bytes(cfg, layout, rank, secondary_valid=secondary_valid)
+        assert set(counted) == {g for g, v in analytic.items() if v > 0}, (rank, counted, analytic)
+        for group, n in analytic.items():
+            assert abs(counted.get(group, 0) - n) <= 16, f"rank {rank} {group}: counted {counted.get(group)} vs {n}"
+
+
 def test_hpz_survives_validation_and_accumulation_and_tiny_tensors():
     """One node of 8 DP ranks, hpZ over all 8, d_model 32 (norms of 32 elements: 4 per rank of the group),
     4 micro-batches a step, validation after every step: equal to ZeRO-3, and every step's counted bytes
-    are the analytic ones (the secondary copy is rebuilt each step, never lost or stale)."""
+    are the analytic ones (the secondary copy is rebuilt after each step, by the validation pass from the
+    second step on, never lost or stale)."""
     model = ["model.d_model=32", "model.n_heads=2", "model.ffn_hidden=64", "train.micro_batch_size=1",
              "train.global_batch_size=32", "parallel.ranks_per_node=8", "zero.stage=3"]
     ref = run_world(hpz_survival_worker, 8, model, 3)
@@ -79,8 +95,75 @@ def test_hpz_survives_validation_and_accumulation_and_tiny_tensors():
     assert max(rel_diffs(out[0]["vals"], ref[0]["vals"])) <= 1e-5
     assert ref[0]["losses"][-1] < ref[0]["losses"][0]
     for r in out:
-        assert r["comms"][1] == r["comms"][2], "a step after validation must move the same bytes"
-    assert_counted_equals_analytic(out, model + ["zero.hpz_size=8"], 8)
+        assert r["comms"][1] == r["comms"][2], "every step after validation must move the same bytes"
+    assert_step_bytes([r["comms"][0] for r in out], model + ["zero.hpz_size=8"], 8, secondary_valid=False)
+    assert_step_bytes([r["comms"][-1] for r in out], model + ["zero.hpz_size=8"], 8, secondary_valid=True)
+
+
+def hpz_validation_worker(overrides):
+    """A step; a validation pass of two batches (as ``trainer.evaluate`` with eval_iters=2); another pass; a
+    step sampling qwZ's error. Each phase's bytes ("kind/link/group") and the losses."""
+    cfg = tiny_config(*overrides)
+    engine = build_engine(cfg)
+    ledger = engine.mesh.ledger
+
+    def phase(fn):
+        ledger.reset()
+        value = fn()
+        return value, {f"{kind}/{link}/{name}": n for (kind, link, name), n in ledger.bytes.items()}, \
+            ledger.snapshot()
+
+    out = {}
+    out["loss0"], _, _ = phase(lambda: engine.train_step(batch_fn(engine, 0))["loss"])
+    for name in ("val1", "val2"):
+        out[name], out[f"{name}_bytes"], _ = phase(lambda: [engine.eval_loss(batch_fn(engine, 1000 + i))
+                                                          for i in range(2)])
+    engine.dp.sampling = True
+    out["loss1"], out["step1_bytes"], out["step1_comm"] = phase(lambda: engine.train_step(batch_fn(engine, 1))["loss"])
+    out["quant_error"] = engine.dp.quant_error()
+    out["val3"] = engine.eval_loss(batch_fn(engine, 1000))
+    return out
+
+
+@pytest.mark.parametrize("weights", ["qwz", "fp8"])
+def test_validation_builds_the_hpz_secondary_copy_once_and_the_next_step_reuses_it(weights):
+    """2 nodes x 2, hpZ 2 with qwZ (or FP8-LM's E4M3 gathers), 2 micro-batches: the validation pass right after a
+    step gathers each unit across nodes once (building the secondary copy), its other gathers and the whole next
+    pass are inside the node, and the next training step gathers nothing across nodes; validation and training
+    losses equal the run without hpZ bit for bit (the copy holds exactly the weights a gather from the primary
+    shards gives), and qwZ's error is still sampled on that step. Every phase's gather bytes are the analytic
+    ones."""
+    from parallel.layout import make_layout
+    from parallel.volume import validation_gather_bytes
+
+    world, overrides = LAYOUTS["dp4_2x2"]
+    overrides = overrides + ["zero.stage=3", "train.global_batch_size=16", QWZ if weights == "qwz" else "precision=fp8"]
+    ref = run_world(hpz_validation_worker, world, overrides)
+    out = run_world(hpz_validation_worker, world, overrides + [HPZ])
+    for key in ("loss0", "val1", "val2", "loss1", "val3"):
+        assert out[0][key] == ref[0][key], (key, out[0][key], ref[0][key])
+    assert out[0]["loss1"] < out[0]["loss0"]
+    if weights == "qwz":
+        assert 1e-4 < out[0]["quant_error"]["weights"] < 0.01, out[0]["quant_error"]
+
+    cfg = tiny_config(*overrides, HPZ)
+    layout = make_layout(cfg, world, 2)
+    assert layout.num_microbatches == 2
+    gathers = lambda phase: {k.split("/")[2]: n for k, n in phase.items() if k.startswith("all_gather/")}  # noqa
+    inter = lambda phase: sum(n for k, n in phase.items() if k.startswith("all_gather/inter/"))  # noqa
+    for rank, (r, plain) in enumerate(zip(out, ref)):
+        first, later = (validation_gather_bytes(cfg, layout, rank, first_after_step=f) for f in (True, False))
+        assert set(first) == {"dp", "dp_hpz"} and set(later) == {"dp_hpz"}
+        expected_val1 = {g: first.get(g, 0) + later.get(g, 0) for g in ("dp", "dp_hpz")}
+        assert gathers(r["val1_bytes"]) == pytest.approx(expected_val1, abs=16), (rank, r["val1_bytes"])
+        assert gathers(r["val2_bytes"]) == pytest.approx({"dp_hpz": 2 * later["dp_hpz"]}, abs=16)
+        # across nodes (dp spans both): one primary gather per unit, a quarter of what 2 batches x 2 micro-batches
+        # gather without hpZ; then nothing until the next step
+        assert 0 < inter(r["val1_bytes"]) == first["dp"] and inter(plain["val1_bytes"]) == 4 * first["dp"]
+        assert inter(r["val2_bytes"]) == 0 and inter(r["step1_bytes"]) == 0
+        assert r["step1_bytes"].get("all_gather/intra/dp_hpz", 0) > 0
+    assert_step_bytes([r["step1_comm"] for r in out], overrides + [HPZ], world, secondary_valid=True)
+    assert_step_bytes([r["step1_comm"] for r in ref], overrides, world, secondary_valid=True)  # no hpZ: no effect
 
 
 # -- qwZ / qgZ: within tolerance --------------------------------------------------------------------

@@ -137,9 +137,11 @@ class Unit:
         self.reduced = False  # this step's reduce-scatter launched
         self.gathered = stage < 3
         self.gather_work = None
-        # hpZ: this rank's slice of the gathered buffer, valid from a forward until the next optimizer step
+        # hpZ: this rank's slice of the gathered buffer, valid from the first forward after an optimizer step
+        # (training or validation) until the next one
         self.secondary = torch.zeros(n * s // hpz, dtype=compute, device=mesh.device) if hpz > 1 else None
         self.secondary_valid = False
+        self.secondary_unmeasured = False  # built by a validation pass from qwZ-gathered weights (quant_error)
 
     @property
     def full_bytes(self) -> int:
@@ -317,7 +319,7 @@ class ZeroDataParallel:
                 u.shard.copy_(u.master)
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
-            u.secondary_valid = False  # hpZ: the next forward gathers the updated primary shards
+            u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
 
     # -- stage 3: gather before use, release after --------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -336,8 +338,10 @@ class ZeroDataParallel:
         self._start_gather(unit)
         if unit.gather_work is not None:
             unit.gather_work.wait()
-            if self.sampling and isinstance(unit.gather_work, QuantizedGather):  # own dequantized piece vs shard
-                accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)
+            if self.sampling and (isinstance(unit.gather_work, QuantizedGather)
+                                  or self.qwz is not None and unit.secondary_unmeasured):
+                accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)  # own dequantized piece vs shard
+                unit.secondary_unmeasured = False
             unit.gather_work = None
             unit.gathered = True
 
@@ -377,10 +381,16 @@ class ZeroDataParallel:
         if _in_backward():
             return None  # a recomputation: the backward that follows needs the weights
         for unit in use.units:
-            if unit.secondary is not None and not unit.secondary_valid and torch.is_grad_enabled():
-                # hpZ: keep this rank's slice (a training forward's: validation leaves the step's bytes alone)
+            if unit.secondary is not None and not unit.secondary_valid:
+                # hpZ: the first forward since the optimizer step, training or validation, keeps this rank's
+                # slice; every later gather until the next step (the rest of validation, the next training
+                # step's forwards and backward) is inside the node
                 self._keep_secondary(unit)
                 unit.secondary_valid = True
+                # qwZ's error is sampled on gathers from the primary shards; a secondary copy that a validation
+                # pass built is measured on the next sampled step's first gather of the unit instead
+                if self.qwz is not None:
+                    unit.secondary_unmeasured = not torch.is_grad_enabled()
             self._release(unit)
         if torch.is_grad_enabled() and isinstance(out, torch.Tensor) and out.requires_grad:
             out.register_hook(partial(self._pre_backward, chunk, use))
@@ -438,7 +448,7 @@ class ZeroDataParallel:
                 u.shard.copy_(u.master)
             if self.stage < 3:
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
-            u.secondary_valid = False
+            u.secondary_valid = u.secondary_unmeasured = False
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
         """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""

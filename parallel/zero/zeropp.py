@@ -7,19 +7,26 @@ buffer, so one all-gather carries both. Every rank dequantizes all pieces,
 its own included, so all ranks compute with identical weights. The persistent
 shard and the fp32 master weights are never quantized.
 
-**hpZ** (``zero.hpz_size`` = H > 1): after a unit's forward, before the gathered
-weights are released, rank h of its hpZ group (H consecutive DP ranks of one
-node) keeps slice h of the gathered buffer (``N*S/H`` elements, compute dtype) as
-a *secondary* shard. Every later gather of the unit until the next optimizer step
-(backward, recomputation, the other micro-batches' forwards, validation) is an
-all-gather of secondary shards inside the node. The secondary copy is the
-gathered forward weights as they were used (with qwZ, the dequantized ones:
-forward and backward see the same weights; it is never re-quantized), and it is a
-slice of the unit's flat buffer, never of one tensor, so a tiny tensor cannot
-leave a rank with an empty piece. ``step`` and ``after_load`` invalidate it; the
-next training forward gathers from the primary shards again and rebuilds it. A
-no_grad forward (validation) uses a valid secondary copy but does not build one,
-so every training step moves the same bytes whether or not validation ran before it.
+**hpZ** (``zero.hpz_size`` = H > 1): after a unit's first forward since the last
+optimizer step (a training forward, or a no_grad one: validation), before the
+gathered weights are released, rank h of its hpZ group (H consecutive DP ranks of
+one node) keeps slice h of the gathered buffer (``N*S/H`` elements, compute dtype)
+as a *secondary* shard. Every later gather of the unit until the next optimizer
+step (backward, recomputation, the other micro-batches' forwards, the rest of a
+validation pass, the next training step after a validation pass) is an all-gather
+of secondary shards inside the node: the weights cross nodes once per unit and
+optimizer step. The secondary copy is the gathered forward weights as they were
+used (with qwZ, the dequantized ones: forward and backward see the same weights,
+and a copy validation built holds exactly what a training forward's qwZ gather
+would have delivered; it is never re-quantized), and it is a slice of the unit's
+flat buffer, never of one tensor, so a tiny tensor cannot leave a rank with an
+empty piece. ``step`` and ``after_load`` invalidate it; the next forward gathers
+from the primary shards again and rebuilds it. So a training step that follows a
+validation pass gathers only inside the node (``parallel/volume.py``:
+``step_bytes(..., secondary_valid=True)``; the validation pass's own gathers:
+``validation_gather_bytes``), and qwZ's sampled error (``quant_error``) is then
+measured on that step's first gather of each unit, from the copy validation built.
+FP8-LM's stage 3 (``fp8/zero.py``) follows the same rule with E4M3 secondary bytes.
 
 **qgZ** (``zero.quantized_gradients``): the gradient reduce-scatter of a unit over
 the P = X*Y DP ranks (X per node, Y nodes; DP rank p = node*X + local) becomes
