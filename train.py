@@ -50,9 +50,11 @@ def _main(argv, stop) -> int:
         name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "tiny"
         run(cfg, config_name=name, stop=stop)
     except (ConfigError, DataError, CheckpointError, LaunchError, RunLockError, DivergedError, CommError) as e:
-        rank = os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0"))
-        if rank == "0":
+        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+        if rank == 0:
             print(f"error: {e}", file=sys.stderr, flush=True)
+        elif isinstance(e, CommError) and 0 in (e.absent or []):  # rank 0 is stuck: the ranks that saw it speak
+            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
         return 2
     return 0
 

@@ -95,7 +95,12 @@ ABSENT_GRACE_S = 10.0
 
 
 class CommError(RuntimeError):
-    """A collective or p2p transfer failed or timed out; the message names the operation, group and culprit."""
+    """A collective or p2p transfer failed or timed out; the message names the operation, group and culprit.
+    ``absent``: the members found not to have reached it (None: not known)."""
+
+    def __init__(self, message: str, absent: Optional[List[int]] = None):
+        super().__init__(message)
+        self.absent = absent
 
 
 def _reason(e: BaseException) -> str:
@@ -129,6 +134,7 @@ def _absent(group: Group, seq: int) -> Optional[List[int]]:
 def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: Optional[int]) -> CommError:
     reason = _reason(e)
     what = f"{kind} on group {group.name} (ranks {group.ranks})"
+    absent = None
     if peer is not None:
         who = f"; peer rank {group.ranks[peer]}"
     elif seq is not None and _STALLED.search(reason):
@@ -137,7 +143,7 @@ def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: 
                else f"; every member reached it (collective #{seq})" if absent == [] else "")
     else:
         who = ""
-    return CommError(f"{what} failed on rank {group.ranks[group.rank]}: {reason}{who}")
+    return CommError(f"{what} failed on rank {group.ranks[group.rank]}: {reason}{who}", absent)
 
 
 def _guarded(kind: str, group: Group, call: Callable[[], Any], collective: bool = True, peer: Optional[int] = None):

@@ -118,3 +118,26 @@ def test_checkpoint_of_another_model_is_refused(tmp_path):
     p = run_train(*FAST, "train.max_steps=4", "model.d_model=128", f"logging.run_dir={run_dir}")
     assert p.returncode == 2
     assert "model.d_model: checkpoint 64 vs config 128" in p.stderr
+
+
+@pytest.mark.parametrize("rank,absent,printed", [
+    (0, [3], "error: "),                   # rank 0 speaks for the job
+    (1, [3], None),                         # the others stay quiet while rank 0 is alive to name the culprit
+    (1, [0], "error (rank 1): "),           # rank 0 is the one stuck: a rank that saw it absent names it
+    (2, None, None),
+])
+def test_a_stuck_rank_0_is_named_by_the_ranks_that_waited_for_it(capsys, monkeypatch, rank, absent, printed):
+    from parallel.comm import CommError
+
+    def stuck(*args, **kwargs):
+        raise CommError(f"all_reduce on group dp (ranks [0, 1, 2, 3]) failed on rank {rank}: timed out; "
+                        f"rank(s) {absent} did not arrive", absent)
+
+    monkeypatch.setenv("RANK", str(rank))
+    monkeypatch.setattr("training.trainer.run", stuck)
+    assert train.main([]) == 2
+    err = capsys.readouterr().err
+    if printed is None:
+        assert err == ""
+    else:
+        assert err.startswith(printed) and f"rank(s) {absent} did not arrive" in err and err.count("\n") == 1
