@@ -275,13 +275,13 @@ def _run_ranks(nodelist: str, path: str, timeout_s: float) -> list:
 
 
 def _netns():
-    """A loopback-only network namespace (scripts/slurm/local_slurm.py); these tests need root for it."""
+    """A loopback-only network namespace (scripts/netemu.py); these tests need root for it."""
     import sys
 
     if os.geteuid() != 0:
         pytest.skip("a loopback-only network namespace needs root")
-    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts" / "slurm"))
-    from local_slurm import LoopbackNetns
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "scripts"))
+    from netemu import LoopbackNetns
 
     return LoopbackNetns()
 
