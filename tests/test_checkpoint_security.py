@@ -127,37 +127,28 @@ def test_resume_refuses_a_planted_file(genuine, tmp_path, kind):
 
 
 @pytest.mark.parametrize("kind", list(PLANTED))
-def test_init_from_refuses_a_planted_metadata_and_never_reads_rng_files(genuine, tmp_path, kind):
+def test_init_from_refuses_a_planted_file(genuine, tmp_path, kind):
+    """init_from uses only the weights, but a checkpoint carrying a planted RNG file is refused as a whole."""
     _, step_dir, target, marker = plant(genuine, tmp_path, kind)
     proc = _run("train.py", *MODEL, "train.max_steps=1", "checkpoint.interval=0",
                 f"logging.run_dir={tmp_path / 'new'}", f"checkpoint.init_from={step_dir}")
-    if kind == "metadata":
-        assert_refused(proc.returncode, proc.stderr, target, marker)
-    else:  # init_from reads model weights only: the RNG file is never opened
-        assert proc.returncode == 0, proc.stderr
-        assert "model weights from" in proc.stdout and not marker.exists()
+    assert_refused(proc.returncode, proc.stderr, target, marker)
 
 
 @pytest.mark.parametrize("kind", list(PLANTED))
-def test_export_hf_refuses_a_planted_metadata(genuine, tmp_path, kind, capsys):
+def test_export_hf_refuses_a_planted_file(genuine, tmp_path, kind, capsys):
     _, step_dir, target, marker = plant(genuine, tmp_path, kind)
     rc = export_hf.main(["--checkpoint", str(step_dir), "--output", str(tmp_path / "hf"), "--no-tokenizer"])
-    if kind == "metadata":
-        assert_refused(rc, capsys.readouterr().err, target, marker)
-    else:  # export reads model weights only
-        assert rc == 0 and (tmp_path / "hf" / "model.safetensors").is_file() and not marker.exists()
+    assert_refused(rc, capsys.readouterr().err, target, marker)
+    assert not (tmp_path / "hf").exists()
 
 
 @pytest.mark.parametrize("kind", list(PLANTED))
-def test_generate_refuses_a_planted_metadata(genuine, tmp_path, kind):
+def test_generate_refuses_a_planted_file(genuine, tmp_path, kind):
     run, _, target, marker = plant(genuine, tmp_path, kind)
     proc = _run(str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run), "--prompt", "The",
                 "--max-new-tokens", "2", "--device", "cpu")
-    if kind == "metadata":
-        assert_refused(proc.returncode, proc.stderr, target, marker)
-    else:  # sampling loads model weights only
-        assert proc.returncode == 0, proc.stderr
-        assert proc.stdout.startswith("The") and not marker.exists()
+    assert_refused(proc.returncode, proc.stderr, target, marker)
 
 
 def _crafted(genuine: Path, tmp_path: Path, payload: bytes) -> Path:

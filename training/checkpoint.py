@@ -126,6 +126,7 @@ def find_checkpoint(path: Path, purpose: str) -> Path:
         problem = verify(path)
         if problem:
             raise CheckpointError(f"checkpoint {path} is not usable: {problem}")
+        check_rng_files(path)
         return path
     root = checkpoint_root(path)
     candidates = sorted((p for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
@@ -137,6 +138,7 @@ def find_checkpoint(path: Path, purpose: str) -> Path:
         if problem is None:
             for name, why in rejected:
                 print(f"WARNING: {name} is not usable ({why}); {purpose} {step_dir.name}", file=sys.stderr)
+            check_rng_files(step_dir)
             return step_dir
         rejected.append((step_dir.name, problem))
     raise CheckpointError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
@@ -331,6 +333,14 @@ def read_rng_file(file: Path) -> Dict[str, torch.Tensor]:
         raise CheckpointError(f"{file}: not an RNG state (expected byte tensors 'default', 'tp' and 'cpu' "
                               "under 'rng')")
     return rng
+
+
+def check_rng_files(path: Path, part: int = 0, parts: int = 1) -> None:
+    """Every per-rank RNG file of a checkpoint (every ``parts``-th from ``part``: ranks share the reading) must
+    load as an RNG state without running anything, whether or not this load uses it (an init_from, an export,
+    sampling, a resume at another layout): a checkpoint carrying a planted pickle is refused as a whole."""
+    for file in sorted(Path(path).glob("rng_rank*.pt"))[part::parts]:
+        read_rng_file(file)
 
 
 class Checkpointer:
@@ -538,6 +548,7 @@ class Checkpointer:
                     {k[len("fp8."):]: v for k, v in tensors.items() if k.startswith("fp8.")})
                 if with_optimizer:
                     self.engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
+            check_rng_files(path, self.mesh.rank, self.world.size)
             rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
             if with_optimizer and meta["layout"] == self._layout() and rng_file.is_file():
                 rng = read_rng_file(rng_file)
@@ -600,6 +611,14 @@ class Checkpointer:
                                   "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
         tensors = self._tensors(for_load=True, with_optimizer=False, fp8=False)
         load_dcp(tensors, path)
+        try:
+            check_rng_files(path, self.mesh.rank, self.world.size)
+            problem = None
+        except CheckpointError as e:
+            problem = str(e)
+        problems = [p for p in comm.all_gather_object(problem, self.world) if p]
+        if problems:
+            raise CheckpointError(problems[0])
         self.engine.dp.after_load()
         return meta
 
