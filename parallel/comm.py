@@ -109,8 +109,10 @@ def _reason(e: BaseException) -> str:
     return re.sub(r"^\[[^\]]*\.(cc|cpp|h|hpp):\d+\]\s*", "", text) or e.__class__.__name__
 
 
-_STALLED = re.compile(r"timed out|connection (closed|reset) by peer", re.IGNORECASE)
-"""Failures that mean a member of a collective is missing: this rank's timeout, or a peer that timed out first."""
+_STALLED = re.compile(r"timed out|timeout|connection (closed|reset) by peer", re.IGNORECASE)
+"""Failures that mean a member of a collective is missing: this rank's timeout, or a peer that timed out first
+(gloo: "connection closed by peer", or "Application timeout caused pair closure" when the pair is shared with
+another group's collective that timed out)."""
 
 
 def _absent(group: Group, seq: int) -> Optional[List[int]]:

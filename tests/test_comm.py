@@ -258,3 +258,21 @@ def test_ledger_record_rounds_and_resets() -> None:
     assert ledger.snapshot()["by_link"] == {"intra": 0, "inter": 26}
     ledger.reset()
     assert ledger.snapshot()["total"] == 0 and dict(ledger.bytes) == {}
+
+
+@pytest.mark.parametrize("reason", [
+    "Timed out waiting 15000ms for recv operation to complete",
+    "Connection closed by peer [127.0.0.1]:1234",
+    "Application timeout caused pair closure",  # gloo, when a pair shared with a timed-out collective closes
+])
+def test_every_gloo_stall_names_the_absent_rank(monkeypatch, reason) -> None:
+    """Whatever words gloo uses for a stalled collective, the error asks the store who did not arrive and names
+    it (a frozen rank 0 saw 'Application timeout caused pair closure' on the others and went unnamed)."""
+    from parallel import comm
+
+    group = comm.Group("world", None, [0, 1, 2, 3], 1, "inter", comm.Ledger())
+    monkeypatch.setattr(comm, "_absent", lambda g, seq: [0])
+    err = comm._error("all_gather_object", group, RuntimeError(f"[../gloo/transport/pair.cc:42] {reason}"), 7, None)
+    assert err.absent == [0]
+    assert str(err) == (f"all_gather_object on group world (ranks [0, 1, 2, 3]) failed on rank 1: {reason}; "
+                        "rank(s) [0] did not arrive (collective #7 of this group)")
