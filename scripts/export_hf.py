@@ -58,7 +58,7 @@ def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
 
     import warnings
 
-    from training.checkpoint import load_dcp, read_dcp_metadata  # nothing in the files runs
+    from training.safe_load import load_dcp, read_dcp_metadata  # nothing in the files runs
 
     try:
         metadata = read_dcp_metadata(step_dir)

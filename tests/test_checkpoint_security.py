@@ -26,7 +26,8 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
-from training.checkpoint import CheckpointError, read_dcp_metadata, verify
+from training.checkpoint import verify
+from training.safe_load import CheckpointError, read_dcp_metadata
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
