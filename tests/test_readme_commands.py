@@ -39,6 +39,8 @@ from typing import Dict, List, NamedTuple, Optional
 import pytest
 import yaml
 
+from tests.test_configs import _flat  # a nested mapping as dotted keys
+
 ROOT = Path(__file__).resolve().parents[1]
 README = ROOT / "README.md"
 TIMEOUT_S = 300  # per command; a 4-rank 1-step run takes ~10 s on 2 idle cores, ~25 s on a busy machine
@@ -203,14 +205,6 @@ def _key(override: str) -> str:
     return override.split("=", 1)[0]
 
 
-def _flat(d: dict, prefix: str = "") -> dict:
-    out = {}
-    for k, v in d.items():
-        if isinstance(v, dict):
-            out.update(_flat(v, f"{prefix}{k}."))
-        else:
-            out[f"{prefix}{k}"] = v
-    return out
 
 
 # ---- the test ------------------------------------------------------------------------------------------------
