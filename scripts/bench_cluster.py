@@ -12,8 +12,22 @@ ranks of one node goes over that namespace's loopback, traffic between nodes ove
 counters (``/proc/<pid in namespace>/net/dev``, the same numbers as ``/sys/class/net/veth0/statistics``) are
 sampled every 20 ms and read at the step boundaries rank 0 logs.
 
+Every row runs twice: a shaped pass (the step time, the wire bytes and from them the bound: the busiest link
+direction's bytes per step / the link rate, what the wire alone needs) and an unshaped pass, the same row with
+the links' tbf (and netem) taken off (``netemu.Cluster.unshaped``), so that its step time is compute plus local
+overhead (gloo's CPU work included; the veth is then limited only by the CPU). The table's
+``step / max(unshaped, bound)`` is each row's overlap efficiency: 1.00 when a step takes no longer than the
+slower of its compute and its wire time (communication fully hidden), up to (unshaped + bound) / max(...)
+when the two run one after the other. ``--no-unshaped`` skips the second pass (those columns then show '-');
+with ``--repeat R`` every round runs both passes of every row (their order alternating from round to round,
+so that drift in the machine's load spreads over both) and the table shows medians over the rounds. Under the
+table one line per pair that ran, ``speed-up of <row> over fsdp2_hybrid: X.XXx`` (FSDP2 hybrid shard's shaped
+step time / the row's) for zero3 and every ``zeropp*`` trainer row.
+
     python scripts/bench_cluster.py                                  # 2 nodes x 2 ranks, 100mbit, every row
-    python scripts/bench_cluster.py --rows zero3,fsdp2,fsdp2_hybrid --steps 8 --rate 1gbit
+    sudo python scripts/bench_cluster.py --rows zero3,zeropp,fsdp2_hybrid --steps 10 --repeat 2
+                                                                     # ZeRO++ vs FSDP2 HSDP, with overlap
+    python scripts/bench_cluster.py --rows zero3,fsdp2,fsdp2_hybrid --steps 8 --rate 1gbit --no-unshaped
     python scripts/bench_cluster.py --probe                          # wire bytes per ledger byte, by collective
     python scripts/bench_cluster.py --cleanup                        # remove what a killed run left behind
 
@@ -140,16 +154,44 @@ def loadavg() -> str:
         return "?"
 
 
-def combine(runs: List[dict]) -> dict:
-    """Rounds of one row -> one: medians of the step time and of the bytes, the spread of the step time."""
+def overlap_ratio(step_s: Optional[float], unshaped_s: Optional[float], bound_s: Optional[float]) -> Optional[float]:
+    """step / max(unshaped, bound): 1 when the shaped step takes no longer than the slower of its compute (the
+    unshaped step) and its wire time (the bound); None where a term is missing."""
+    if step_s is None or unshaped_s is None or bound_s is None:
+        return None
+    floor = max(unshaped_s, bound_s)
+    return step_s / floor if floor > 0 else None
+
+
+def combine(runs: List[dict], unshaped: Optional[List[dict]] = None) -> dict:
+    """Rounds of one row -> one: medians of the shaped passes' step time and bytes (the bound too: it is the
+    shaped pass's), the median of the unshaped passes' step time (``unshaped``: one per round, or None when
+    skipped) and from the medians ``overlap_ratio``; ``rounds`` keeps every round's figures."""
     good = [r for r in runs if "error" not in r]
-    if not good:
-        return runs[0]
-    out = dict(good[0])
-    for key in ("step_time_s", "tokens_per_s", "wire_bytes", "lower_bound_s", "counted_inter_bytes"):
-        out[key] = statistics.median(r[key] for r in good)
-    out["ratio_to_bound"] = out["step_time_s"] / out["lower_bound_s"] if out["lower_bound_s"] else None
-    out["rounds"] = [{k: r.get(k) for k in ("step_time_s", "wire_bytes", "loadavg", "error")} for r in runs]
+    ugood = [u for u in unshaped or [] if "error" not in u]
+    out = dict(good[0] if good else runs[0])
+    if good:
+        for key in ("step_time_s", "tokens_per_s", "wire_bytes", "lower_bound_s", "counted_inter_bytes"):
+            out[key] = statistics.median(r[key] for r in good)
+        out["ratio_to_bound"] = out["step_time_s"] / out["lower_bound_s"] if out["lower_bound_s"] else None
+    out["unshaped_step_time_s"] = statistics.median(u["step_time_s"] for u in ugood) if ugood else None
+    if unshaped and not ugood:
+        out["unshaped_error"] = unshaped[0]["error"]
+    out["overlap_ratio"] = (overlap_ratio(out["step_time_s"], out["unshaped_step_time_s"], out["lower_bound_s"])
+                            if good else None)
+    if unshaped:
+        out["unshaped_logs"] = [p for u in unshaped for p in u.get("logs", [])]
+    rounds = []
+    for i, r in enumerate(runs):
+        rnd = {k: r.get(k) for k in ("step_time_s", "wire_bytes", "lower_bound_s", "loadavg", "error")}
+        if unshaped is not None:
+            u = unshaped[i] if i < len(unshaped) else {}
+            rnd.update({"unshaped_step_time_s": u.get("step_time_s"), "unshaped_wire_bytes": u.get("wire_bytes"),
+                        "unshaped_loadavg": u.get("loadavg"), "unshaped_error": u.get("error"),
+                        "overlap_ratio": overlap_ratio(r.get("step_time_s"), u.get("step_time_s"),
+                                                       r.get("lower_bound_s"))})
+        rounds.append(rnd)
+    out["rounds"] = rounds
     return out
 
 
@@ -166,8 +208,8 @@ def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, r
                              args.row_timeout)
     finally:
         sampler.stop()
-    out = {"row": row.name, "what": row.what, "wall_s": time.monotonic() - t0, "logs": [str(p) for p in logs],
-           "loadavg": loadavg()}
+    out = {"row": row.name, "what": row.what, "script": row.script, "shaped": cluster.shaped,
+           "wall_s": time.monotonic() - t0, "logs": [str(p) for p in logs], "loadavg": loadavg()}
     if any(c != 0 for c in codes):
         out["error"] = error_line(logs) if any(c is not None for c in codes) else f"timed out ({args.row_timeout}s)"
         return out
@@ -221,28 +263,61 @@ def mib(x: float) -> str:
     return f"{x / 2**20:.2f}"
 
 
-def table(results: List[dict], cluster: netemu.Cluster, args) -> str:
+def speedups(results: List[dict], base: str = "fsdp2_hybrid") -> List[Tuple[str, float]]:
+    """(row, ``base``'s shaped step time / the row's) for zero3 and every trainer row named ``zeropp*``, where
+    both ran."""
+    ref = next((r for r in results if r["row"] == base and "error" not in r), None)
+    if ref is None:
+        return []
+    return [(r["row"], ref["step_time_s"] / r["step_time_s"]) for r in results
+            if "error" not in r and r.get("script", "train") == "train"
+            and (r["row"] == "zero3" or r["row"].startswith("zeropp"))]
+
+
+def summary_lines(results: List[dict]) -> List[str]:
+    return [f"speed-up of {name} over fsdp2_hybrid: {x:.2f}x" for name, x in speedups(results)]
+
+
+def _spread(values: List[float]) -> str:
+    return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
+
+
+def table(results: List[dict], cluster: Optional[netemu.Cluster] = None, args=None) -> str:
+    """The rows' table, the speed-up lines under it (:func:`summary_lines`) and rank 0's bytes by kind."""
     base = next((r for r in results if r["row"] == "zero3" and "error" not in r), None)
-    head = ("| row | step time (s, median) | tokens/s | counted inter MiB/step | wire inter MiB/step "
-            "| wire / counted | bound (s) | step / bound | counted vs ZeRO-3 | wire vs ZeRO-3 |")
-    lines = [head, "|" + "---|" * 10]
+    head = ("| row | step (s, shaped, median, spread) | unshaped step (s) | bound (s) | step / max(unshaped, bound) "
+            "| tokens/s | counted inter MiB/step | wire inter MiB/step | wire / counted | counted vs ZeRO-3 "
+            "| wire vs ZeRO-3 |")
+    ncol = 11
+    lines = [head, "|" + "---|" * ncol]
     for r in results:
         if "error" in r:
-            lines.append(f"| {r['what']} | {r['error']} |" + " |" * 8)
+            lines.append(f"| {r['what']} | {r['error']} |" + " |" * (ncol - 2))
             continue
+        rounds = r.get("rounds", [])
         cv = f"{r['counted_inter_bytes'] / base['counted_inter_bytes']:.3f}" if base else "-"
         wv = f"{r['wire_bytes'] / base['wire_bytes']:.3f}" if base else "-"
-        spread = ""
-        if len(r.get("rounds", [])) > 1:
-            ts = [x["step_time_s"] for x in r["rounds"] if x.get("step_time_s") is not None]
-            spread = f" ({min(ts):.2f}-{max(ts):.2f})"
-            failed = [x["error"] for x in r["rounds"] if x.get("error")]
-            if failed:
-                spread += f" [{len(failed)} of {len(r['rounds'])} rounds failed: {failed[0]}]"
-        lines.append(f"| {r['what']} | {r['step_time_s']:.3f}{spread} | {r['tokens_per_s']:.0f} "
-                     f"| {mib(r['counted_inter_bytes'])} ({r['counted_how']}) | {mib(r['wire_bytes'])} "
-                     f"| {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {r['lower_bound_s']:.3f} "
-                     f"| {r['ratio_to_bound']:.2f} | {cv} | {wv} |")
+        step = f"{r['step_time_s']:.3f}" + _spread([x["step_time_s"] for x in rounds
+                                                    if x.get("step_time_s") is not None])
+        failed = [x["error"] for x in rounds if x.get("error")]
+        if failed:
+            step += f" [{len(failed)} of {len(rounds)} rounds failed: {failed[0]}]"
+        unshaped = r.get("unshaped_step_time_s")
+        if unshaped is not None:
+            ushaped = f"{unshaped:.3f}" + _spread([x["unshaped_step_time_s"] for x in rounds
+                                                   if x.get("unshaped_step_time_s") is not None])
+            ufailed = [x["unshaped_error"] for x in rounds if x.get("unshaped_error")]
+            if ufailed:
+                ushaped += f" [{len(ufailed)} of {len(rounds)} rounds failed: {ufailed[0]}]"
+        else:
+            ushaped = f"failed: {r['unshaped_error']}" if r.get("unshaped_error") else "-"
+        ratio = f"{r['overlap_ratio']:.2f}" if r.get("overlap_ratio") is not None else "-"
+        lines.append(f"| {r['what']} | {step} | {ushaped} | {r['lower_bound_s']:.3f} | {ratio} "
+                     f"| {r['tokens_per_s']:.0f} | {mib(r['counted_inter_bytes'])} ({r['counted_how']}) "
+                     f"| {mib(r['wire_bytes'])} | {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {cv} | {wv} |")
+    summary = summary_lines(results)
+    if summary:
+        lines += [""] + summary
     kinds = sorted({k for r in results if "error" not in r for k in r["counted_rank0_by_kind"]})
     lines += ["", "rank 0's counted bytes per step by kind, MiB (trainer rows: inter-node groups only; FSDP2 rows: "
               "every group, of which hybrid's all-gather and reduce-scatter stay inside a node)", "",
@@ -262,12 +337,19 @@ def header(cluster: netemu.Cluster, args) -> str:
              f"bf16, {' '.join(MODEL)}, global batch {2 * world} x seq {cluster_seq_len(args)}"
              + (f", {extra}" if extra else "") + f"; {args.steps} steps, median over steps > {args.skip}"]
     if args.repeat > 1:
-        lines.append(f"{args.repeat} rounds over the rows, interleaved: medians over rounds, (min-max) of the "
-                     "rounds' step-time medians")
+        lines.append(f"{args.repeat} rounds over the rows, interleaved (each round the shaped and the unshaped pass "
+                     "of each row, their order alternating): medians over rounds, (min-max) of the rounds' "
+                     "step-time medians")
     lines += [f"note: {n}" for n in cluster.notes]
     lines.append("counted = comm.by_link.inter (parallel/comm.py per-rank convention) summed over ranks; "
                  "wire = tx bytes of every node's veth0 per step (IP+TCP headers included), steps "
-                 f"{args.skip}..last; bound = busiest link direction's bytes / link rate")
+                 f"{args.skip}..last; bound = busiest link direction's bytes / link rate (shaped pass)")
+    if args.unshaped:
+        lines.append("unshaped = the same row with the links' tbf removed (compute + local overhead, the veth "
+                     "limited by the CPU only); step / max(unshaped, bound): 1.00 = communication fully "
+                     "overlapped, higher = time neither compute nor the wire explains")
+    else:
+        lines.append("unshaped pass skipped (--no-unshaped)")
     return "\n".join(lines)
 
 
@@ -302,7 +384,11 @@ def parse_args(argv):
     p.add_argument("--keep-logs", action="store_true", help="keep run dirs and logs (printed at the end)")
     p.add_argument("--workdir", help="where run dirs and logs go (default: a temporary directory)")
     p.add_argument("--repeat", type=int, default=1,
-                   help="rounds over the rows (interleaved); the table shows medians over rounds and the spread")
+                   help="rounds over the rows (interleaved, each round both passes of each row); the table shows "
+                        "medians over rounds and the spread")
+    p.add_argument("--no-unshaped", dest="unshaped", action="store_false",
+                   help="skip the unshaped pass of every row (the same row with the links' shaping removed: its "
+                        "step time is compute + local overhead); its columns then show '-'")
     p.add_argument("--row-timeout", type=float, default=600.0)
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--probe", action="store_true", help="measure wire bytes per ledger byte of each collective")
@@ -317,23 +403,37 @@ def parse_args(argv):
 
 def run_rows(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> List[dict]:
     """Every row ``--repeat`` times, the rounds interleaved (drift in the machine's load spreads over all rows);
-    one combined result per row."""
+    each round runs the row's shaped pass and, unless ``--no-unshaped``, its unshaped pass (the links' shaping
+    removed for it), in an order that alternates from round to round. One combined result per row."""
     table_rows = rows_for(args.ranks_per_node)
     runs: Dict[str, List[dict]] = {n: [] for n in names}
+    unshaped_runs: Dict[str, List[dict]] = {n: [] for n in names}
     for rep in range(args.repeat):
         for k, name in enumerate(names):
-            tag = f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
-            print(f"[bench_cluster] row {name}{tag} ...", flush=True)
-            run_dir_name = name if args.repeat == 1 else f"{name}.{rep}"
-            r = run_row(cluster, table_rows[name], args, workdir, MASTER_PORT + rep * len(names) + k, run_dir_name)
-            runs[name].append(r)
-            if "error" in r:
-                print(f"[bench_cluster]   {name}: {r['error']}", flush=True)
-            else:
-                print(f"[bench_cluster]   {name}: {r['step_time_s']:.3f} s/step, counted "
-                      f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
-                      f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
-    return [combine(runs[n]) for n in names]
+            passes = [False, True] if args.unshaped else [False]
+            if rep % 2:
+                passes.reverse()
+            for unshaped in passes:
+                tag = " unshaped" if unshaped else ""
+                tag += f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else ""
+                print(f"[bench_cluster] row {name}{tag} ...", flush=True)
+                run_dir_name = (name if args.repeat == 1 else f"{name}.{rep}") + (".unshaped" if unshaped else "")
+                port = MASTER_PORT + 2 * (rep * len(names) + k) + int(unshaped)
+                if unshaped:
+                    with cluster.unshaped():
+                        r = run_row(cluster, table_rows[name], args, workdir, port, run_dir_name)
+                    unshaped_runs[name].append(r)
+                else:
+                    r = run_row(cluster, table_rows[name], args, workdir, port, run_dir_name)
+                    runs[name].append(r)
+                label = f"{name}{' unshaped' if unshaped else ''}"
+                if "error" in r:
+                    print(f"[bench_cluster]   {label}: {r['error']}", flush=True)
+                else:
+                    print(f"[bench_cluster]   {label}: {r['step_time_s']:.3f} s/step, counted "
+                          f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
+                          f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
+    return [combine(runs[n], unshaped_runs[n] if args.unshaped else None) for n in names]
 
 
 def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int:
@@ -352,7 +452,9 @@ def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int
     results = run_rows(cluster, args, names, workdir)
     print(f"\n{header(cluster, args)}\n\n{table(results, cluster, args)}", flush=True)
     if args.json:
-        Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results}, indent=1))
+        Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results,
+                                               "speedups_over_fsdp2_hybrid": dict(speedups(results)),
+                                               "summary": summary_lines(results)}, indent=1))
     return 0 if all("error" not in r for r in results) else 1
 
 

@@ -6,13 +6,16 @@ The one home of this machinery for the scripts that need a network of their own:
   so /sys/fs/cgroup, /etc and the mounts stay the host's.
 * :class:`LoopbackNetns`: a namespace with no route anywhere (scripts/slurm/local_slurm.py's daemons and jobs).
 * :class:`Cluster`: N node namespaces joined by veth links shaped with ``tc`` (scripts/bench_cluster.py),
-  with interface byte counters (:class:`Sampler`), process spawning and process-tree killing.
+  with interface byte counters (:class:`Sampler`), process spawning and process-tree killing; the shaping can
+  be taken off every link and put back at runtime (:meth:`Cluster.unshape`, :meth:`Cluster.reshape`,
+  ``with cluster.unshaped():``).
 
 Nothing leaves the machine: no namespace made here has a link to the host's network, and the only addresses
 are the ones given here (10.77.0.0/24 for a cluster's nodes, 192.0.2.1/32 for a loopback namespace).
 
 Everything is removed on every exit path: ``with`` removes on normal exit and on any exception (a failed
-create too, as far as it got); :func:`interrupts_raise` turns SIGTERM/SIGHUP into an exception like SIGINT's,
+create too, as far as it got, and whether the links are shaped, unshaped or half way between: the qdiscs go
+with their namespaces); :func:`interrupts_raise` turns SIGTERM/SIGHUP into an exception like SIGINT's,
 so that the ``with`` or ``finally`` still runs; a removal ignores further signals until it is done. Only
 SIGKILL skips all that: namespaces are named ``<prefix><pid of their creator><suffix>`` so that
 :func:`cleanup_stale` can tell the leftovers of a dead run from a live one's.
@@ -337,6 +340,11 @@ class Cluster(_Managed):
     Two nodes share one veth pair; more hang off a bridge in a namespace of its own (a star: each node's link
     is shaped in both directions, the delay applied once per direction, on the node's side). ``gso`` keeps the
     veths' 64 KiB GSO packets (less CPU at high rates; the wire bytes then hold fewer headers).
+
+    :meth:`unshape` takes the shaping (tbf, and netem under it) off every shaped device, so that the links are
+    limited by the CPU only; :meth:`reshape` puts it back as :meth:`create` made it; ``with
+    cluster.unshaped():`` does both around a block. :attr:`shaped` says which state the links are in. The
+    framing (``gso``) stays either way, so the wire bytes of a run count the same headers.
     """
 
     def __init__(self, prefix: str, nodes: int = 2, rate: str = "100mbit", delay: str = "1ms", gso: bool = False):
@@ -352,6 +360,7 @@ class Cluster(_Managed):
         self.bridge = Netns(prefix, "br") if nodes > 2 else None
         self.procs: List[subprocess.Popen] = []
         self.delay_emulated = False
+        self.shaped = False  # whether the tbf (and netem) qdiscs are on the links now
         self.notes: List[str] = []
 
     @property
@@ -369,9 +378,11 @@ class Cluster(_Managed):
         for i, ns in enumerate(self.node_netns):
             ns.ip("addr", "add", f"{self.addr(i)}/24", "dev", IFACE)
             ns.ip("link", "set", IFACE, "up")
-            self._shape(ns, IFACE, self.delay_s)
-            if self.bridge:
-                self._shape(self.bridge, f"p{i}", 0.0)
+        for ns, dev, delay_s in self.shaped_devices():
+            if not self.gso:
+                self._frames(ns, dev)
+            self._shape(ns, dev, delay_s)
+        self.shaped = True
         if self.delay_s > 0 and not self.delay_emulated:
             self.notes.append(f"delay {self.delay} NOT emulated: this kernel has no sch_netem "
                               "(rate shaping only, tbf)")
@@ -392,13 +403,64 @@ class Cluster(_Managed):
             br.ip("link", "set", f"p{i}", "master", "br0")
             br.ip("link", "set", f"p{i}", "up")
 
-    def _shape(self, ns: Netns, dev: str, delay_s: float) -> None:
+    def shaped_devices(self) -> List[Tuple[Netns, str, float]]:
+        """(namespace, device, delay) of every shaped device: each node's veth0 (with the delay) and, with a
+        bridge, the bridge's end of each node's link (rate only)."""
+        out = [(ns, IFACE, self.delay_s) for ns in self.node_netns]
+        if self.bridge:
+            out += [(self.bridge, f"p{i}", 0.0) for i in range(self.nodes)]
+        return out
+
+    @staticmethod
+    def _frames(ns: Netns, dev: str) -> None:
         # one IP/TCP header per MTU-sized frame, as a NIC puts on the wire (veths pass 64 KiB GSO packets;
         # tbf would split them only when they exceed its burst, i.e. at some rates and not at others)
-        if not self.gso:
-            ns.ip("link", "set", dev, "gso_max_segs", "1")
+        ns.ip("link", "set", dev, "gso_max_segs", "1")
+
+    def _shape(self, ns: Netns, dev: str, delay_s: float) -> None:
         if shape(ns, dev, self.rate_bps, delay_s):
             self.delay_emulated = True
+
+    def qdiscs(self) -> List[str]:
+        """``tc qdisc show dev <dev>`` of every shaped device (:meth:`shaped_devices`' order), run inside its
+        namespace."""
+        return [_run([tool("tc"), "-n", ns.name, "qdisc", "show", "dev", dev]).stdout.strip()
+                for ns, dev, _ in self.shaped_devices()]
+
+    def unshape(self) -> None:
+        """Take the shaping off every link: delete the root qdisc (the tbf, and the netem under it) of every
+        shaped device, which leaves the kernel's default (noqueue on a veth); the links are then limited by the
+        CPU only. Safe to call when already unshaped, or half way (a device without a root qdisc of ours is
+        left as it is)."""
+        self.shaped = False
+        for ns, dev, _ in self.shaped_devices():
+            ns.tc("qdisc", "del", "dev", dev, "root", check=False)  # fails only where there is none
+        left = [q for q in self.qdiscs() if re.search(r"\b(tbf|netem)\b", q)]
+        if left:
+            raise NetemuError(f"could not remove the shaping: {left}")
+
+    def reshape(self) -> None:
+        """Put the shaping back on every link as :meth:`create` made it (:func:`shape`: same rate, burst and
+        delay). Whatever state a device is in (shaped, unshaped, or left half way by an interrupted call), its
+        root qdisc is deleted first, so the result is the same."""
+        for ns, dev, delay_s in self.shaped_devices():
+            ns.tc("qdisc", "del", "dev", dev, "root", check=False)
+            self._shape(ns, dev, delay_s)
+        self.shaped = True
+
+    @contextlib.contextmanager
+    def unshaped(self) -> Iterator["Cluster"]:
+        """The links unshaped inside, shaped again after. On an exception the reshaping is tried but its own
+        failure is not raised over the exception's (the namespaces may be half gone; :meth:`remove` deletes
+        them with their qdiscs in any state)."""
+        self.unshape()
+        try:
+            yield self
+        except BaseException:
+            with contextlib.suppress(NetemuError, subprocess.SubprocessError, OSError):
+                self.reshape()
+            raise
+        self.reshape()
 
     def remove(self) -> None:
         """Kill every process started here (by pid, with their descendants), then delete the namespaces (with

@@ -1,13 +1,16 @@
 """scripts/bench_cluster.py and its emulated network, scripts/netemu.py: the emulated cluster carries and counts
 bytes on its link, measures a collective there, and leaves nothing behind.
 
-Needs root, ``ip``, ``tc`` and ``nsenter`` (skipped otherwise). Nothing leaves the machine: the namespaces
+The tests that make namespaces need root, ``ip``, ``tc`` and ``nsenter`` (skipped otherwise); those of the
+table's arithmetic, on synthetic results, run anywhere. Nothing leaves the machine: the namespaces
 have no link to the host's network.
 """
 import json
 import os
+import re
 import shutil
 import signal
+import statistics
 import subprocess
 import sys
 import time
@@ -22,7 +25,8 @@ sys.path.insert(0, str(ROOT / "scripts"))
 import bench_cluster  # noqa: E402
 import netemu  # noqa: E402
 
-pytestmark = pytest.mark.skipif(
+# the tests that make namespaces and qdiscs; the table's arithmetic (synthetic results) runs anywhere
+needs_net = pytest.mark.skipif(
     os.geteuid() != 0 or not all(shutil.which(t, path=os.environ.get("PATH", "") + ":/usr/sbin:/sbin")
                                  for t in ("ip", "tc", "nsenter")),
     reason="needs root, ip, tc and nsenter")
@@ -63,6 +67,7 @@ def test_rate_and_delay_parsing():
         netemu.parse_rate("fast")
 
 
+@needs_net
 def test_netemu_pair_counts_a_datagram_and_leaves_nothing(tmp_path):
     send = [sys.executable, "-c", "import socket; socket.socket(socket.AF_INET, socket.SOCK_DGRAM)"
             ".sendto(b'x' * 1000, ('10.77.0.2', 9))"]
@@ -82,6 +87,7 @@ def test_netemu_pair_counts_a_datagram_and_leaves_nothing(tmp_path):
     assert [p for p in holders if _alive(p)] == []
 
 
+@needs_net
 def test_netemu_removes_everything_after_an_exception(tmp_path):
     with pytest.raises(RuntimeError, match="inside"):
         with netemu.Cluster("tnetexc", nodes=3, rate="1gbit", delay="0") as c:  # 3 nodes: a bridge too
@@ -93,6 +99,7 @@ def test_netemu_removes_everything_after_an_exception(tmp_path):
     assert [p for p in inside if _alive(p)] == []
 
 
+@needs_net
 def test_loopback_netns_has_no_route_off_the_machine():
     with netemu.LoopbackNetns("tnetlo") as ns:
         r = subprocess.run(ns.prefix + [netemu.tool("ip"), "route", "get", "192.0.2.99"], capture_output=True,
@@ -102,6 +109,7 @@ def test_loopback_netns_has_no_route_off_the_machine():
     assert _namespaces_of_prefix("tnetlo") == []
 
 
+@needs_net
 def test_cleanup_stale_removes_only_a_dead_creators_namespaces():
     dead = subprocess.Popen(["true"])
     dead.wait()
@@ -115,6 +123,7 @@ def test_cleanup_stale_removes_only_a_dead_creators_namespaces():
         subprocess.run([netemu.tool("ip"), "netns", "del", stale], capture_output=True)
 
 
+@needs_net
 def test_probe_all_to_all_across_nodes_puts_every_ledger_byte_on_the_link(tmp_path):
     out = tmp_path / "probe.json"
     p = subprocess.Popen([sys.executable, str(SCRIPT), "--probe", "--probe-kinds", "all_to_all",
@@ -129,6 +138,7 @@ def test_probe_all_to_all_across_nodes_puts_every_ledger_byte_on_the_link(tmp_pa
     assert _namespaces_of(p.pid) == []
 
 
+@needs_net
 def test_injected_failure_removes_the_namespaces():
     p = subprocess.Popen([sys.executable, str(SCRIPT), "--nodes", "3", "--fail-after-setup"], cwd=ROOT,
                          stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
@@ -139,6 +149,7 @@ def test_injected_failure_removes_the_namespaces():
     assert _namespaces_of(p.pid) == []
 
 
+@needs_net
 def test_sigterm_during_a_row_kills_the_ranks_and_removes_the_namespaces(tmp_path):
     p = subprocess.Popen([sys.executable, str(SCRIPT), "--rows", "zero3", "--steps", "1000", "--rate", "1gbit",
                           "--workdir", str(tmp_path)], cwd=ROOT, stdout=subprocess.PIPE,
@@ -161,3 +172,184 @@ def test_sigterm_during_a_row_kills_the_ranks_and_removes_the_namespaces(tmp_pat
     assert p.returncode == 130, text
     assert _namespaces_of(p.pid) == []
     assert [q for q in inside if _alive(q)] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the unshaped pass: shaping off and on at runtime
+
+
+def _qdisc_show(ns: netemu.Netns, dev: str) -> str:
+    """``tc qdisc show dev <dev>`` run inside the namespace (nsenter --net)."""
+    r = subprocess.run(ns.prefix + [netemu.tool("tc"), "qdisc", "show", "dev", dev], capture_output=True,
+                       text=True, check=True)
+    return r.stdout.strip()
+
+
+def _links_of(c: netemu.Cluster):
+    """Every shaped device, listed here rather than asked of the cluster: each node's veth0 and, with a bridge,
+    the bridge's port of each node."""
+    links = [(ns, "veth0") for ns in c.node_netns]
+    if c.nodes > 2:
+        links += [(c.bridge, f"p{i}") for i in range(c.nodes)]
+    return links
+
+
+@needs_net
+def test_unshape_and_reshape_remove_and_restore_the_qdiscs():
+    with netemu.Cluster("tnetunsh", nodes=3, rate="100mbit", delay="1ms") as c:  # a bridge: 6 shaped devices
+        links = _links_of(c)
+        shaped = [_qdisc_show(ns, dev) for ns, dev in links]
+        assert c.shaped and all("tbf" in q and "rate 100Mbit" in q for q in shaped), shaped
+        if c.delay_emulated:  # netem under the nodes' tbf where the kernel has sch_netem
+            assert all("netem" in q for q in shaped[:3]), shaped
+
+        def assert_unshaped():
+            qs = [_qdisc_show(ns, dev) for ns, dev in links]
+            assert not c.shaped and not [q for q in qs if "tbf" in q or "netem" in q], qs
+
+        c.unshape()
+        assert_unshaped()
+        c.unshape()  # twice: still fine
+        assert_unshaped()
+        c.reshape()
+        assert c.shaped and [_qdisc_show(ns, dev) for ns, dev in links] == shaped
+        c.reshape()  # on shaped links: the same again, not a second tbf
+        assert [_qdisc_show(ns, dev) for ns, dev in links] == shaped
+        with c.unshaped():
+            assert_unshaped()
+        assert c.shaped and [_qdisc_show(ns, dev) for ns, dev in links] == shaped
+        assert c.qdiscs() == shaped
+    assert _namespaces_of_prefix("tnetunsh") == []
+
+
+@needs_net
+@pytest.mark.parametrize("state", ["context", "unshaped", "half"])
+def test_an_exception_while_unshaped_removes_the_namespaces(tmp_path, state):
+    prefix = f"tnetux{state[0]}"
+    with pytest.raises(RuntimeError, match="while unshaped"):
+        with netemu.Cluster(prefix, nodes=2, rate="100mbit", delay="0") as c:
+            sleeper = c.spawn(0, ["sleep", "1000"], dict(os.environ), tmp_path / "sleep.log", tmp_path)
+            inside = _pids_in(_namespaces_of_prefix(prefix))
+            if state == "context":
+                with c.unshaped():
+                    assert "tbf" not in _qdisc_show(c.node_netns[0], "veth0")
+                    raise RuntimeError("while unshaped")
+            elif state == "unshaped":
+                c.unshape()
+            else:  # half way: one link unshaped, the other still shaped
+                c.node_netns[0].tc("qdisc", "del", "dev", "veth0", "root")
+                assert "tbf" not in _qdisc_show(c.node_netns[0], "veth0")
+                assert "tbf" in _qdisc_show(c.node_netns[1], "veth0")
+            raise RuntimeError("while unshaped")
+    assert sleeper.pid in inside
+    assert _namespaces_of_prefix(prefix) == []
+    assert [p for p in inside if _alive(p)] == []
+
+
+# ---------------------------------------------------------------------------------------------------------------
+# the table's arithmetic, on synthetic results
+
+
+def _raw(name, what, step, bound, script="train", wire=2e6, counted=3e6, error=None):
+    """One pass of one row as run_row returns it."""
+    if error:
+        return {"row": name, "what": what, "script": script, "logs": [], "loadavg": "0", "error": error}
+    return {"row": name, "what": what, "script": script, "logs": [], "loadavg": "0", "step_time_s": step,
+            "tokens_per_s": 1024 / step, "wire_bytes": wire, "lower_bound_s": bound, "counted_inter_bytes": counted,
+            "counted_how": "sum over ranks", "counted_rank0_by_kind": {"all_gather": counted / 8}}
+
+
+# per row: what, script, per round (shaped step, bound, unshaped step); the bound wins for some, the unshaped
+# step for others, and for qwz one round each way
+SYNTHETIC = {
+    "zero3": ("ZeRO-3", "train", [(3.10, 2.70, 0.80), (2.90, 2.74, 0.84)]),
+    "qwz": ("qwZ alone", "train", [(2.40, 2.00, 1.90), (2.20, 2.10, 2.30)]),
+    "zeropp": ("ZeRO++ (qwZ+hpZ+qgZ)", "train", [(1.05, 0.47, 0.91), (1.01, 0.49, 0.95)]),
+    "zeropp_nohpz": ("ZeRO++ without hpZ", "train", [(1.50, 1.20, 0.90), (1.70, 1.10, 1.00)]),
+    "fsdp2": ("FSDP2 full shard", "fsdp2", [(2.70, 2.40, 0.70), (2.74, 2.50, 0.72)]),
+    "fsdp2_hybrid": ("FSDP2 hybrid shard", "fsdp2", [(1.23, 0.90, 1.00), (1.27, 0.92, 1.10)]),
+}
+
+
+def _synthetic(names=tuple(SYNTHETIC), unshaped=True, failed=()):
+    out = []
+    for name in names:
+        what, script, rounds = SYNTHETIC[name]
+        runs = [_raw(name, what, s, b, script, error="boom" if name in failed else None) for s, b, _ in rounds]
+        uruns = [_raw(name, what, u, 0.01, script, wire=9e9) for _, _, u in rounds] if unshaped else None
+        out.append(bench_cluster.combine(runs, uruns))
+    return out
+
+
+def _cells(text: str, what: str):
+    [line] = [ln for ln in text.splitlines() if ln.startswith(f"| {what} |")][:1]
+    return [c.strip() for c in line.strip().strip("|").split("|")]
+
+
+def _expected(name):
+    _, _, rounds = SYNTHETIC[name]
+    step = statistics.median(s for s, _, _ in rounds)
+    bound = statistics.median(b for _, b, _ in rounds)
+    unshaped = statistics.median(u for _, _, u in rounds)
+    return step, bound, unshaped
+
+
+def test_table_ratio_is_step_over_the_larger_of_unshaped_and_bound():
+    results = _synthetic()
+    text = bench_cluster.table(results)
+    head = [c.strip() for c in text.splitlines()[0].strip().strip("|").split("|")]
+    assert head[:5] == ["row", "step (s, shaped, median, spread)", "unshaped step (s)", "bound (s)",
+                        "step / max(unshaped, bound)"]
+    for r in results:
+        step, bound, unshaped = _expected(r["row"])
+        ratio = step / max(unshaped, bound)
+        assert r["unshaped_step_time_s"] == pytest.approx(unshaped)
+        assert r["lower_bound_s"] == pytest.approx(bound)  # the shaped pass's, not the unshaped pass's 0.01
+        assert r["wire_bytes"] == pytest.approx(2e6)
+        assert r["overlap_ratio"] == pytest.approx(ratio)
+        _, _, rounds = SYNTHETIC[r["row"]]
+        assert [x["overlap_ratio"] for x in r["rounds"]] == pytest.approx([s / max(u, b) for s, b, u in rounds])
+        assert [x["unshaped_step_time_s"] for x in r["rounds"]] == pytest.approx([u for _, _, u in rounds])
+        cells = _cells(text, r["what"])
+        assert cells[0] == r["what"]
+        assert cells[1].split()[0] == f"{step:.3f}"
+        assert cells[2].split()[0] == f"{unshaped:.3f}"
+        us = [u for _, _, u in rounds]
+        assert f"({min(us):.2f}-{max(us):.2f})" in cells[2]
+        assert cells[3] == f"{bound:.3f}"
+        assert cells[4] == f"{ratio:.2f}"
+    json.dumps(results)  # what --json writes
+
+
+def test_speed_up_lines_over_fsdp2_hybrid():
+    results = _synthetic()
+    hybrid = _expected("fsdp2_hybrid")[0]
+    want = [f"speed-up of {n} over fsdp2_hybrid: {hybrid / _expected(n)[0]:.2f}x"
+            for n in ("zero3", "zeropp", "zeropp_nohpz")]  # not qwz, not the FSDP2 rows
+    assert bench_cluster.summary_lines(results) == want
+    text = bench_cluster.table(results)
+    assert [ln for ln in text.splitlines() if ln.startswith("speed-up of")] == want
+    lines = text.splitlines()
+    last_row = min(i for i, ln in enumerate(lines) if ln.startswith("| FSDP2 hybrid shard |"))
+    by_kind = min(i for i, ln in enumerate(lines) if ln.startswith("rank 0's counted bytes"))
+    assert last_row < lines.index(want[0]) < by_kind  # under the rows' table, above the by-kind one
+    # no line where fsdp2_hybrid did not run or failed, nor for a failed trainer row
+    assert bench_cluster.summary_lines(_synthetic(("zero3", "zeropp"))) == []
+    assert bench_cluster.summary_lines(_synthetic(failed=("fsdp2_hybrid",))) == []
+    assert bench_cluster.summary_lines(_synthetic(failed=("zero3",))) == want[1:]
+
+
+def test_without_the_unshaped_pass_its_columns_show_a_dash():
+    results = _synthetic(unshaped=False)
+    text = bench_cluster.table(results)
+    for r in results:
+        step, bound, _ = _expected(r["row"])
+        assert r["unshaped_step_time_s"] is None and r["overlap_ratio"] is None
+        cells = _cells(text, r["what"])
+        assert cells[2] == "-" and cells[4] == "-" and cells[3] == f"{bound:.3f}"
+    # a failed unshaped pass: said in its column, no ratio
+    what, script, rounds = SYNTHETIC["zero3"]
+    r = bench_cluster.combine([_raw("zero3", what, s, b, script) for s, b, _ in rounds],
+                              [_raw("zero3", what, 0, 0, script, error="boom") for _ in rounds])
+    cells = _cells(bench_cluster.table([r]), what)
+    assert re.match(r"failed: boom", cells[2]) and cells[4] == "-" and r["overlap_ratio"] is None
