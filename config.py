@@ -59,6 +59,9 @@ MAX_QUANT_BLOCK = 2**16
 quant_block x qgz_stages."""
 MAX_QGZ_STAGES = 64
 """zero.qgz_stages: chunks a qgZ reduce is pipelined in (ZeRO++ uses a handful), one all-to-all pair each."""
+MAX_IN_FLIGHT = 64
+"""zero.prefetch_depth, zero.reduce_in_flight: more modules than any model has units in one pipeline stage
+would never be reached; each one in flight holds a unit's full buffer."""
 MAX_BUCKET_MB = 2.0**20
 """parallel.bucket_mb: 1 TiB, larger than any model's gradients (a bucket never exceeds them)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
@@ -158,7 +161,15 @@ class ZeroConfig:
     """Stages 1-3: dtype in which gradients accumulate and are reduce-scattered: compute (the precision's dtype, as
     Megatron-core and FSDP2 do) | fp32."""
     prefetch: bool = True
-    """Stage 3: gather the next block's parameters while the current one computes (no effect below stage 3)."""
+    """Stage 3: gather the next modules' parameters while the current one computes (no effect below stage 3)."""
+    prefetch_depth: int = 2
+    """Stage 3 with zero.prefetch: how many modules ahead (forward) or behind (backward) are gathered while one
+    computes, and how many of the first modules' gathers start as soon as the optimizer step has updated them.
+    Deeper covers a slower link; each module ahead holds its gathered parameters (training/memory.py counts
+    them in the working peak)."""
+    reduce_in_flight: int = 2
+    """Stages 2-3: gradient reduce-scatters (or qgZ reduces) allowed in flight while backward continues; each
+    holds its unit's full gradient buffer until it arrives (counted in the working peak)."""
     quantized_weights: bool = False
     """ZeRO++ qwZ (stage 3): all-gather weights blockwise-quantized to zero.weight_bits, dequantized on arrival;
     the persistent shard and the master weights are never quantized."""
@@ -544,6 +555,8 @@ def validate_config(cfg: Config) -> None:
     need(2 <= z.quant_block <= MAX_QUANT_BLOCK and z.quant_block % 2 == 0,
          f"zero.quant_block={z.quant_block} must be an even number in [2, {MAX_QUANT_BLOCK}] (config.MAX_QUANT_BLOCK)")
     within("zero.qgz_stages", 1, MAX_QGZ_STAGES, "config.MAX_QGZ_STAGES")
+    within("zero.prefetch_depth", 1, MAX_IN_FLIGHT, "config.MAX_IN_FLIGHT; zero.prefetch=false turns prefetching off")
+    within("zero.reduce_in_flight", 1, MAX_IN_FLIGHT, "config.MAX_IN_FLIGHT")
     need(z.qgz_min_numel >= 0, f"zero.qgz_min_numel={z.qgz_min_numel} must be >= 0")
     need(z.quant_error_interval >= 0, f"zero.quant_error_interval={z.quant_error_interval} must be >= 0")
     need(z.quant_error_interval == 0 or z.quantized_weights or z.quantized_gradients,

@@ -11,6 +11,8 @@ Groups (each a ``comm.Group`` sharing one byte ledger):
   embedding  first + last pipeline stage (tied embeddings)
   mp         the model-parallel replica (all of pp x tp at this dp index)
   dp_hpz     ZeRO++ hpZ: consecutive dp_intra peers (``hpz_group(size)``, built on request)
+  qwz_inter, qwz_intra   ZeRO++ qwZ's two-hop weight gather: dp_inter's and dp_intra's members as groups of
+             their own (``gather_groups()``, built on request)
   tp_kv      grouped-query attention with fewer KV heads than TP ranks: the consecutive TP peers that
              hold the same KV heads (``tp_kv_group(size)``, built on request)
 
@@ -26,7 +28,7 @@ peers waiting that long in any collective outside ``world``.
 from __future__ import annotations
 
 from datetime import timedelta
-from typing import Callable, Dict, List
+from typing import Callable, Dict, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -78,6 +80,7 @@ class Mesh:
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
         self._hpz: Dict[int, Group] = {}
         self._tp_kv: Dict[int, Group] = {}
+        self._gather: Optional[Tuple[Group, Group]] = None
 
     # -- construction -------------------------------------------------------------------------
     def _group(self, name: str, ranks: List[int], pg) -> Group:
@@ -117,6 +120,15 @@ class Mesh:
             self._hpz[size] = self._consecutive_groups("dp_hpz", self.layout.dp_intra_ranks, size)
         return self._hpz[size]
 
+    def gather_groups(self) -> Tuple[Group, Group]:
+        """(inter, intra): the dp_inter and dp_intra memberships as groups of their own, for ZeRO++'s two-hop
+        weight gather (``parallel/zero/zeropp.py``: its second hop is launched when the first arrives, an order
+        that must not interleave with other collectives on a shared group). Collective; built once."""
+        if self._gather is None:
+            self._gather = (self._new_groups("qwz_inter", self.layout.dp_inter_ranks),
+                            self._new_groups("qwz_intra", self.layout.dp_intra_ranks))
+        return self._gather
+
     def tp_kv_group(self, size: int) -> Group:
         """The ``size`` consecutive TP peers of this rank that hold the same (replicated) KV heads.
 
@@ -146,7 +158,7 @@ class Mesh:
 
     def groups(self) -> Dict[str, Group]:
         return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter,
-                                    self.embedding, self.mp, *self._hpz.values(),
+                                    self.embedding, self.mp, *self._hpz.values(), *(self._gather or ()),
                                     *self._tp_kv.values())}
 
     def __repr__(self) -> str:

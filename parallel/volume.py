@@ -121,7 +121,9 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
       stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
       stage 3     per micro-batch: all-gather (N-1) S e_c once per module that uses the unit in forward and
                   once more for backward (recomputation reuses the backward gather), reduce-scatter (N-1) S e_r
-      ZeRO++      (``parallel/zero/zeropp.py``) qwZ: a gather from primary shards sends quantized bytes instead;
+      ZeRO++      (``parallel/zero/zeropp.py``) qwZ: a gather from primary shards sends quantized bytes instead,
+                  in two hops where DP spans Y > 1 nodes of X > 1 ranks ((Y-1) pieces on qwz_inter, (X-1) Y on
+                  qwz_intra);
                   hpZ: only the step's first gather of a unit is from primary shards (on dp), every other is
                   (H-1) N S / H e_c on dp_hpz; with ``secondary_valid`` (a validation pass since the last step
                   built the secondary copies) the first one too; qgZ: units of at least qgz_min_numel elements
@@ -149,7 +151,7 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
             s = shard.shard_size
             if z.stage == 3:
                 gathers = mb * (sum(k in use.units for use in uses) + 1)
-                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid).items():
+                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y).items():
                     out[group] += nbytes
                 if qgz and n > 1 and n * s >= z.qgz_min_numel:
                     intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages).bytes_per_rank()
@@ -167,19 +169,21 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     return dict(out)
 
 
-def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool) -> Dict[str, float]:
-    """``gathers`` stage-3 gathers of a unit with shards of ``s`` elements over ``n`` DP ranks, by group: from the
-    primary shards (qwZ: quantized), or with hpZ the first from them (none if ``secondary_valid``), the rest from
-    the secondary copies inside the node."""
+def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool, x: int,
+                    y: int) -> Dict[str, float]:
+    """``gathers`` stage-3 gathers of a unit with shards of ``s`` elements over ``n`` = x * y DP ranks (x a node),
+    by group: from the primary shards (qwZ: quantized, two hops where x > 1 and y > 1), or with hpZ the first
+    from them (none if ``secondary_valid``), the rest from the secondary copies inside the node."""
     from parallel.zero.zeropp import Quant, hpz_gather_bytes, qwz_gather_bytes
 
     z, e_c = cfg.zero, DTYPE_BYTES[cfg.precision]
     qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
-    primary = qwz_gather_bytes(s, n, qwz) if qwz else (n - 1) * s * e_c
-    if z.hpz_size == 1:
-        return {"dp": gathers * primary}
-    first = 0 if secondary_valid else min(1, gathers)
-    return {"dp": first * primary, "dp_hpz": (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)}
+    primary = qwz_gather_bytes(s, n, qwz, x, y) if qwz else {"dp": (n - 1) * s * e_c}
+    first = gathers if z.hpz_size == 1 else 0 if secondary_valid else min(1, gathers)
+    out = {group: first * nbytes for group, nbytes in primary.items()}
+    if z.hpz_size > 1:
+        out["dp_hpz"] = (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
+    return out
 
 
 def _fp8_stage3_gathers(cfg: Config, unit, gathers: int, s: int, n: int, secondary_valid: bool) -> Dict[str, float]:
@@ -203,6 +207,7 @@ def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_
     from parallel.zero.units import chunk_units, meta_chunks
 
     z, n = cfg.zero, layout.dp
+    x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
     if z.stage != 3:
         return {}
@@ -213,7 +218,7 @@ def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_
             s = shard_layout([p.numel() for p in unit.params], n, "whole_tensor" if fp8 else z.partition).shard_size
             gathers = layout.num_microbatches * sum(k in use.units for use in uses)
             gathered = (_fp8_stage3_gathers(cfg, unit, gathers, s, n, not first_after_step) if fp8
-                        else _stage3_gathers(cfg, gathers, s, n, not first_after_step))
+                        else _stage3_gathers(cfg, gathers, s, n, not first_after_step, x, y))
             for group, nbytes in gathered.items():
                 out[group] += nbytes
     return {g: v for g, v in out.items() if v}

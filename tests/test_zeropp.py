@@ -151,15 +151,17 @@ def test_validation_builds_the_hpz_secondary_copy_once_and_the_next_step_reuses_
     assert layout.num_microbatches == 2
     gathers = lambda phase: {k.split("/")[2]: n for k, n in phase.items() if k.startswith("all_gather/")}  # noqa
     inter = lambda phase: sum(n for k, n in phase.items() if k.startswith("all_gather/inter/"))  # noqa
+    # primary gathers: qwZ's two hops (qwz_inter across nodes, qwz_intra inside), FP8's one over dp (spans both)
+    primary, crossing = (("qwz_inter", "qwz_intra"), "qwz_inter") if weights == "qwz" else (("dp",), "dp")
     for rank, (r, plain) in enumerate(zip(out, ref)):
         first, later = (validation_gather_bytes(cfg, layout, rank, first_after_step=f) for f in (True, False))
-        assert set(first) == {"dp", "dp_hpz"} and set(later) == {"dp_hpz"}
-        expected_val1 = {g: first.get(g, 0) + later.get(g, 0) for g in ("dp", "dp_hpz")}
+        assert set(first) == {*primary, "dp_hpz"} and set(later) == {"dp_hpz"}
+        expected_val1 = {g: first.get(g, 0) + later.get(g, 0) for g in (*primary, "dp_hpz")}
         assert gathers(r["val1_bytes"]) == pytest.approx(expected_val1, abs=16), (rank, r["val1_bytes"])
         assert gathers(r["val2_bytes"]) == pytest.approx({"dp_hpz": 2 * later["dp_hpz"]}, abs=16)
-        # across nodes (dp spans both): one primary gather per unit, a quarter of what 2 batches x 2 micro-batches
-        # gather without hpZ; then nothing until the next step
-        assert 0 < inter(r["val1_bytes"]) == first["dp"] and inter(plain["val1_bytes"]) == 4 * first["dp"]
+        # across nodes: one primary gather per unit, a quarter of what 2 batches x 2 micro-batches gather without
+        # hpZ; then nothing until the next step
+        assert 0 < inter(r["val1_bytes"]) == first[crossing] and inter(plain["val1_bytes"]) == 4 * first[crossing]
         assert inter(r["val2_bytes"]) == 0 and inter(r["step1_bytes"]) == 0
         assert r["step1_bytes"].get("all_gather/intra/dp_hpz", 0) > 0
     assert_step_bytes([r["step1_comm"] for r in out], overrides + [HPZ], world, secondary_valid=True)
@@ -330,8 +332,10 @@ def test_cross_node_bytes_in_the_metrics_file_follow_the_paper(tmp_path):
         return c["by_link"]["inter"] if kind is None else c["by_kind_link"].get(f"{kind}/inter", 0)
 
     assert inter("zeropp") <= 0.27 * inter("zero3"), (inter("zeropp"), inter("zero3"))
-    # qwZ: both gathers (no hpZ) carry int8 + scales instead of bf16
-    assert inter("qwz", "all_gather") == pytest.approx(0.5 * inter("zero3", "all_gather"), rel=0.04)
+    # qwZ: both gathers (no hpZ) carry int8 + scales instead of bf16, in two hops: of the P-1 = 3 pieces a rank
+    # receives, (Y-1) = 1 comes across nodes (the flat gather's group spans both nodes: all 3 count as inter)
+    assert inter("qwz", "all_gather") == pytest.approx(0.5 / 3 * inter("zero3", "all_gather"), rel=0.04)
+    assert comm["qwz"]["by_kind_link"]["all_gather/intra"] == pytest.approx(2 * inter("qwz", "all_gather"))
     # hpZ: the backward gather leaves the inter-node link (the forward one stays)
     assert inter("hpz", "all_gather") == pytest.approx(0.5 * inter("zero3", "all_gather"), rel=0.01)
     assert comm["hpz"]["by_link"]["intra"] > 0

@@ -12,12 +12,13 @@ compute / reduce dtype bytes; Phi = the rank's parameters)::
 In fp32 the master copy is the parameter buffer itself, so the optimizer holds
 8 S. ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters (the
 transient quantized send/receive buffers of qwZ and qgZ are not counted). The stage-3 working set is the peak of what is gathered at once (the
-current module's units and the prefetched ones; a unit used by two modules, the
-embedding tied to the head on one stage, stays gathered through backward) plus
-the full gradients alive (the unit filling and the one being reduce-scattered),
-walked through one forward and one backward of each chunk (``_working_peak``);
-stage 2 holds two full unit gradients during backward, or every unit's while
-gradients accumulate over several micro-batches.
+current module's units and those of the ``zero.prefetch_depth`` modules prefetched
+ahead; a unit used by two modules, the embedding tied to the head on one stage,
+stays gathered through backward) plus the full gradients alive (the unit filling
+and up to ``zero.reduce_in_flight`` being reduce-scattered), walked through one
+forward and one backward of each chunk (``_working_peak``); stage 2 holds the
+filling unit's and the in-flight ones' full gradients during backward, or every
+unit's while gradients accumulate over several micro-batches.
 
 Activations (seed 004 §memory, 16-bit): with a checkpoint every ``ci`` blocks,
 the checkpoints take 2 * b * s * h * layers / ci bytes per micro-batch in flight
@@ -67,7 +68,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         chunk_grads.append(sum(n * s * e_r for s in shards))
         full_p = [n * s * e_c if z.stage == 3 else 0 for s in shards]
         full_g = [n * s * e_r for s in shards]
-        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, z.stage == 3 and z.prefetch))
+        depth = z.prefetch_depth if z.stage == 3 and z.prefetch else 0
+        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, depth, z.reduce_in_flight))
     if z.stage == 3 or (z.stage == 2 and layout.num_microbatches == 1):
         out["working_peak"] = max(peaks)
     elif z.stage == 2:  # a chunk's full gradients live from its first backward of the step to its last
@@ -112,8 +114,9 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             out["optimizer"] += 3 * owned + 8 * t
             full_p.append(2 * total)
             full_g.append(4 * total)
-        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, z.prefetch))
-        weights_only.append(_working_peak([u.units for u in uses], full_p, [0] * len(full_g), z.prefetch))
+        depth = z.prefetch_depth if z.prefetch else 0
+        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, depth, 1))
+        weights_only.append(_working_peak([u.units for u in uses], full_p, [0] * len(full_g), depth, 1))
         grads_all += sum(full_g)
     # one micro-batch: a unit's fp32 gradient lives from its backward to its reduction; with accumulation
     # every unit's lives from the first backward to the last micro-batch's reduction
@@ -121,26 +124,29 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     return out
 
 
-def _working_peak(uses: List[List[int]], full_p: List[int], full_g: List[int], prefetch: bool) -> int:
+def _working_peak(uses: List[List[int]], full_p: List[int], full_g: List[int], depth: int,
+                  in_flight: int) -> int:
     """Peak bytes of gathered parameters plus full gradients during one forward and one backward of a chunk,
     following ``parallel/zero/sharded.py``: a module's units are gathered before it runs (and the next
-    module's prefetched), released after its forward; in backward the gradient of a unit fills its full
-    buffer, and when the unit's first user (in forward order) has run backward the unit is released and
-    reduce-scattered, with one reduce-scatter in flight at a time."""
+    ``depth`` modules' prefetched), released after its forward; in backward the gradient of a unit fills its
+    full buffer, and when the unit's first user (in forward order) has run backward the unit is released and
+    reduce-scattered, after waiting for the oldest ones until fewer than ``in_flight`` are in flight."""
+    def ahead(i: int, step: int) -> set:
+        return {u for d in range(1, depth + 1) if 0 <= i + d * step < len(uses) for u in uses[i + d * step]}
+
     peak, gathered = 0, set()
     for i, use in enumerate(uses):  # forward
-        gathered |= set(use) | (set(uses[i + 1]) if prefetch and i + 1 < len(uses) else set())
+        gathered |= set(use) | ahead(i, 1)
         peak = max(peak, sum(full_p[u] for u in gathered))
         gathered -= set(use)
     first_use = {u: min(i for i, use in enumerate(uses) if u in use) for use in uses for u in use}
-    gathered, in_flight = set(), None
+    gathered, flying = set(), []
     for i in reversed(range(len(uses))):  # backward
-        gathered |= set(uses[i]) | (set(uses[i - 1]) if prefetch and i > 0 else set())
+        gathered |= set(uses[i]) | ahead(i, -1)
         for u in sorted((u for u in uses[i] if first_use[u] == i), reverse=True):
-            alive = full_g[u] + (full_g[in_flight] if in_flight is not None else 0)
-            peak = max(peak, sum(full_p[v] for v in gathered) + alive)
+            peak = max(peak, sum(full_p[v] for v in gathered) + full_g[u] + sum(full_g[v] for v in flying))
             gathered.discard(u)
-            in_flight = u
+            flying = (flying + [u])[-in_flight:]
     return peak
 
 

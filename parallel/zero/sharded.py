@@ -17,9 +17,14 @@ the N DP ranks owns shard r of it. What each stage keeps between steps:
    stages 1-2, on the last backward of the step, divide by N and launch the
    unit's reduce-scatter asynchronously (overlapping the rest of backward);
    stage 3 does that after every micro-batch's backward, accumulating the
-   reduced shard. Stages 2-3 keep one reduce-scatter in flight and free a unit's
+   reduced shard. Stages 2-3 keep up to ``zero.reduce_in_flight`` reduce-scatters
+   in flight (launching one waits for the oldest beyond that) and free a unit's
    full gradient buffer when its shard arrives (with gradient accumulation,
-   stage 2 holds full gradients until the last backward, as stage 1 does).
+   stage 2 holds full gradients until the last backward, as stage 1 does). Every
+   gradient hook also moves the reduces in flight on (``_poll``): a qgZ reduce
+   whose intra-node hop has arrived is summed and its inter-node hop launched
+   then, not when its result is needed, so that hop crosses the slow link while
+   backward goes on.
 2. ``finish_grads``: wait; sum the pieces of sequence-parallel norm/bias gradients
    over TP; sum the tied embedding's shard over first + last stage.
 3. ``clip``: the global norm from shard pieces, each global parameter once
@@ -29,11 +34,13 @@ the N DP ranks owns shard r of it. What each stage keeps between steps:
    updated parameters (compute dtype); stage 3 refreshes its parameter shard.
 
 Stage 3 gathers: a forward pre-hook gathers the units a module uses (waiting for
-a prefetch if one is in flight) and prefetches the next module's units (the order
-is recorded during each chunk's first forward); the forward hook releases them
-(storage resized to 0: the parameters keep their shapes and autograd's saved
-references) and hooks the module output, whose gradient's arrival gathers them
-again for backward and prefetches the previous module's. A unit is released
+a prefetch if one is in flight) and prefetches the units of the next
+``zero.prefetch_depth`` modules (the order is recorded during each chunk's first
+forward); the forward hook releases them (storage resized to 0: the parameters
+keep their shapes and autograd's saved references) and hooks the module output,
+whose gradient's arrival gathers them again for backward and prefetches the
+previous modules'. qwZ's two-hop gathers (``zeropp.py``) get their second hop
+launched by the same polling as the reduces. A unit is released
 when its last gradient arrives. Activation recomputation runs inside backward,
 where the forward hook does not release: the recompute's gather *is* the
 backward gather (no extra traffic). Under pipelining every micro-batch gathers
@@ -58,7 +65,7 @@ from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
-from parallel.zero.zeropp import ComparedReduce, QgzReduce, Quant, QuantizedGather, accumulate_error
+from parallel.zero.zeropp import ComparedReduce, GatherRoute, QgzReduce, Quant, QuantizedGather, accumulate_error
 
 Ranges = List[Tuple[int, int]]
 
@@ -167,6 +174,11 @@ class ZeroDataParallel:
         self.qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
         self.qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
         self.hpz = mesh.hpz_group(z.hpz_size) if z.hpz_size > 1 else None
+        self.gather_route: Optional[GatherRoute] = None  # qwZ's two hops where DP spans nodes of several ranks
+        if self.qwz is not None and mesh.dp_intra.size > 1 and mesh.dp_inter.size > 1:
+            inter, intra = mesh.gather_groups()
+            self.gather_route = GatherRoute.of(mesh.dp, inter, intra, mesh.layout.dp_inter_ranks)
+        self.in_flight = z.reduce_in_flight
         self.sampling = False  # this step measures the quantization error (``quant_error``)
         self._qerr = torch.zeros(4, dtype=torch.float64, device=mesh.device)  # weights err, ref; gradients err, ref
         tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
@@ -177,7 +189,6 @@ class ZeroDataParallel:
                         tied, z.hpz_size)
 
         self._build_units(chunks, make_unit)
-        self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight
         self._factor = 1.0
         self.optimizer_steps = 0
         if self.stage == 3:
@@ -200,10 +211,13 @@ class ZeroDataParallel:
             self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
+        self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight, oldest first
+        self._gathering: List[QuantizedGather] = []  # two-hop gathers whose second hop is not launched, oldest first
         self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
 
     def _register_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
         """Gather a module's units before its forward (and backward), release them after (stage 3)."""
+        self.depth = self.cfg.zero.prefetch_depth if self.cfg.zero.prefetch else 0
         self._order: List[Optional[List[ModuleUse]]] = [None] * len(chunks)
         self._recording: Dict[int, List[ModuleUse]] = {}
         for c, chunk in enumerate(chunks):
@@ -231,6 +245,7 @@ class ZeroDataParallel:
         unit.grad_view(i).add_(p.grad)
         p.grad = None
         unit.arrived += 1
+        self._poll()
         if unit.arrived < len(unit.params):
             return
         unit.arrived = 0
@@ -246,8 +261,8 @@ class ZeroDataParallel:
     def _reduce(self, unit: Unit) -> None:
         """Launch the unit's gradient reduce-scatter (mean over DP)."""
         unit.reduced = True
-        if self.stage >= 2:
-            self._drain()  # one in flight: bounds the full-gradient buffers alive at once
+        if self.stage >= 2:  # zero.reduce_in_flight bounds the full-gradient buffers alive at once
+            self._drain(keep=self.in_flight - 1)
         buf = unit.grad_full
         if self.stage >= 2:
             unit.grad_full = None  # the buffer travels with its reduce-scatter and is freed on arrival
@@ -267,8 +282,10 @@ class ZeroDataParallel:
         """qgZ for this buffer? (on, more than one DP rank, and not below the size threshold)"""
         return self.qgz is not None and self.mesh.dp.size > 1 and buf.numel() >= self.cfg.zero.qgz_min_numel
 
-    def _drain(self) -> None:
-        for unit, work, out, buf in self._launched:
+    def _drain(self, keep: int = 0) -> None:
+        """Wait for the reduces in flight, oldest first, until ``keep`` are left."""
+        while len(self._launched) > keep:
+            unit, work, out, buf = self._launched.pop(0)
             work.wait()
             if self.stage == 3:
                 unit.grad_shard.add_(out)
@@ -276,7 +293,27 @@ class ZeroDataParallel:
                 unit.grad_shard.copy_(out)
             if self.stage >= 2:
                 self.working.sub(buf.numel() * buf.element_size())
-        self._launched = []
+
+    def _poll(self) -> None:
+        """Move communication on without waiting: launch the second hop of two-hop gathers and the inter-node
+        hop of qgZ reduces whose first hop has arrived, oldest first (the order every rank launches them in)."""
+        if self._gathering:
+            self._advance_gathers()
+        for _, work, _, _ in self._launched:
+            if hasattr(work, "advance") and not work.advance(block=False):
+                break
+
+    def _advance_gathers(self, upto: Optional[QuantizedGather] = None) -> None:
+        """Launch second hops oldest first: while the first hop has arrived, or, waiting, up to ``upto``."""
+        if upto is not None and not any(w is upto for w in self._gathering):
+            upto = None
+        while self._gathering:
+            work = self._gathering[0]
+            if not work.advance(block=upto is not None):
+                return
+            self._gathering.pop(0)
+            if work is upto:
+                return
 
     def finish_grads(self) -> None:
         if self.stage < 3:
@@ -330,13 +367,17 @@ class ZeroDataParallel:
         if unit.secondary_valid:  # hpZ: inside the node
             unit.gather_work = comm.all_gather(unit.full, unit.secondary, self.hpz, async_op=True)
         elif self.qwz is not None and self.mesh.dp.size > 1:
-            unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz)
+            unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz, self.gather_route)
+            if self.gather_route is not None:
+                self._gathering.append(unit.gather_work)
         else:
             unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
 
     def _gather(self, unit: Unit) -> None:
         self._start_gather(unit)
         if unit.gather_work is not None:
+            if self._gathering:
+                self._advance_gathers(upto=unit.gather_work)
             unit.gather_work.wait()
             if self.sampling and (isinstance(unit.gather_work, QuantizedGather)
                                   or self.qwz is not None and unit.secondary_unmeasured):
@@ -354,13 +395,18 @@ class ZeroDataParallel:
             unit.gathered = False
 
     def _prefetch(self, chunk: int, use: ModuleUse, step: int) -> None:
+        """Start gathering the ``depth`` modules after (step 1) or before (-1) ``use`` in the recorded order."""
         order = self._order[chunk]
-        if order is None or not self.cfg.zero.prefetch:
+        if order is None or not self.depth:
             return
         i = next((k for k, u in enumerate(order) if u is use), None)
-        if i is not None and 0 <= i + step < len(order):
-            for unit in order[i + step].units:
-                self._start_gather(unit)
+        if i is None:
+            return
+        for d in range(1, self.depth + 1):
+            if 0 <= i + d * step < len(order):
+                for unit in order[i + d * step].units:
+                    self._start_gather(unit)
+        self._poll()
 
     def _chunk_begin(self, chunk: int, module, args) -> None:
         if self._order[chunk] is None and torch.is_grad_enabled() and not _in_backward():

@@ -5,7 +5,17 @@ sends each rank's shard blockwise-quantized (int8 by default, int4 optional;
 ``kernels/quant.py``) with its fp32 scales packed behind the payload in one uint8
 buffer, so one all-gather carries both. Every rank dequantizes all pieces,
 its own included, so all ranks compute with identical weights. The persistent
-shard and the fp32 master weights are never quantized.
+shard and the fp32 master weights are never quantized. Where the DP group spans
+Y > 1 nodes of X > 1 ranks, the gather takes two hops (``GatherRoute``): an
+all-gather over the Y peers of this rank's intra-node index (one per node), then
+an all-gather of those Y pieces over the X ranks of the node. Every shard then
+crosses into each other node once, (Y-1) shards a rank, where one all-gather over
+all P ranks moves (P-1) a rank over groups that cross nodes (a ring enters and
+leaves every node with all P-1 shards). The bytes are the same quantized bytes,
+so the weights are bit for bit those of the one-hop gather. The hops run on
+groups of their own (``Mesh.gather_groups``) because the second one is launched
+whenever the first has arrived (``advance``), an order every rank follows
+only among gathers (first in, first launched).
 
 **hpZ** (``zero.hpz_size`` = H > 1): after a unit's first forward since the last
 optimizer step (a training forward, or a no_grad one: validation), before the
@@ -39,8 +49,14 @@ the P = X*Y DP ranks (X per node, Y nodes; DP rank p = node*X + local) becomes
   5.   divide by P once: the mean over all DP ranks.
 
 The buffer is cut into ``zero.qgz_stages`` = S stages (the generalized reordering,
-paper Algorithm 2): all intra-node all-to-alls are launched at once, and stage s's
-inter-node all-to-all is in flight while stage s+1 is summed and re-quantized.
+paper Algorithm 2): all intra-node all-to-alls are launched at once; ``advance``
+sums and re-quantizes each stage whose intra-node hop has arrived and launches its
+inter-node all-to-all, so the caller can push the inter-node hop out as soon as
+it can go (while backward continues) and wait for the result only when it needs
+the memory back or the step needs the gradients. Stage s's inter-node hop is in
+flight while stage s+1 is summed. The inter-node hops of all reduces in flight
+are launched in the order the reduces were (``advance`` is called oldest first),
+the same on every rank.
 One node (Y = 1) is one intra-node all-to-all and a dequantize-sum; one rank per
 node (X = 1) quantizes once and does only the inter-node hop. The groups are those
 of this rank's (pp, tp) coordinate, so qgZ composes with TP and PP. Units whose
@@ -58,12 +74,12 @@ second sum is absent with one node or one rank per node). Inputs that int4 repre
 exactly, sums included, come back exactly (the fp32 mean, bit for bit).
 
 Byte counts per rank (the ledger's convention, ``parallel/comm.py``), for a unit of
-N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``qgz_bytes``.
+N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``QgzPlan.bytes_per_rank``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import List, Optional, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import torch
 
@@ -92,21 +108,65 @@ def _unpack(rows: torch.Tensor, payload_bytes: int) -> Tuple[torch.Tensor, torch
 
 
 # -- qwZ ------------------------------------------------------------------------------------------
-class QuantizedGather:
-    """All-gather of every rank's quantized shard into ``full`` (dequantized on ``wait``)."""
+@dataclass(frozen=True)
+class GatherRoute:
+    """The two hops of a hierarchical all-gather over the DP group (see the module docstring).
 
-    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group, q: Quant):
-        self.full, self.q, self.n, self.g = full, q, shard.numel(), group.size
+    ``order[r]``: the row of the second hop's output that holds DP rank r's piece."""
+
+    inter: comm.Group
+    intra: comm.Group
+    order: Tuple[int, ...]
+
+    @staticmethod
+    def of(dp: comm.Group, inter: comm.Group, intra: comm.Group, inter_members) -> Optional["GatherRoute"]:
+        """The route over ``inter`` then ``intra`` (None where one hop is the whole group: one node, or one rank
+        a node). ``inter_members(global rank)``: that rank's inter-node peers, the order of its first hop."""
+        if inter.size == 1 or intra.size == 1:
+            return None
+        rows = [g for a in intra.ranks for g in inter_members(a)]
+        if sorted(rows) != sorted(dp.ranks):
+            raise ValueError(f"gather route: intra {intra.ranks} x inter peers {rows} do not cover DP {dp.ranks}")
+        return GatherRoute(inter, intra, tuple(rows.index(r) for r in dp.ranks))
+
+
+class QuantizedGather:
+    """All-gather of every rank's quantized shard into ``full`` (dequantized on ``wait``), in one hop over
+    ``group`` or, with a ``route``, two (the second launched by ``advance``)."""
+
+    def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group, q: Quant,
+                 route: Optional[GatherRoute] = None):
+        self.full, self.q, self.n, self.g, self.route = full, q, shard.numel(), group.size, route
         self.ops = quant_ops(shard.device)
         payload, scales = self.ops.quantize_blockwise(shard, q.bits, q.block)
         self.payload_bytes = payload.numel()
         send = _pack(payload, scales)
         self.recv = torch.empty(self.g * send.numel(), dtype=torch.uint8, device=shard.device)
-        self.work = comm.all_gather(self.recv, send, group, async_op=True)
+        if route is None:
+            self.first, self.work = None, comm.all_gather(self.recv, send, group, async_op=True)
+        else:
+            self.mid = torch.empty(route.inter.size * send.numel(), dtype=torch.uint8, device=shard.device)
+            self.first, self.work = comm.all_gather(self.mid, send, route.inter, async_op=True), None
+
+    def advance(self, block: bool = False) -> bool:
+        """Launch the intra-node hop once the inter-node one has arrived (``block``: wait for it). True when
+        nothing is left to launch. Gathers must be advanced in the order they started, on every rank."""
+        if self.work is not None:
+            return True
+        if not block and not self.first.is_completed():
+            return False
+        self.first.wait()
+        self.work = comm.all_gather(self.recv, self.mid, self.route.intra, async_op=True)
+        self.first = self.mid = None
+        return True
 
     def wait(self) -> None:
+        self.advance(block=True)
         self.work.wait()
-        payloads, scales = _unpack(self.recv.view(self.g, -1), self.payload_bytes)
+        rows = self.recv.view(self.g, -1)
+        if self.route is not None:  # row r <- DP rank r's piece (bytes: cheaper to move than the values)
+            rows = rows[list(self.route.order)]
+        payloads, scales = _unpack(rows, self.payload_bytes)
         nb = scales.shape[1]
         values = self.ops.dequantize_blockwise(payloads.reshape(-1), scales.reshape(-1), self.q.bits, self.q.block,
                                                self.g * nb * self.q.block, self.full.dtype)
@@ -114,9 +174,14 @@ class QuantizedGather:
         self.recv = None
 
 
-def qwz_gather_bytes(shard: int, world: int, q: Quant) -> int:
-    """Per-rank bytes of one quantized all-gather of ``shard``-element shards over ``world`` ranks."""
-    return (world - 1) * q.wire_nbytes(shard) if world > 1 else 0
+def qwz_gather_bytes(shard: int, world: int, q: Quant, x: int = 1, y: int = 1) -> Dict[str, int]:
+    """Per-rank bytes of one quantized all-gather of ``shard``-element shards over ``world`` = x * y ranks, by
+    group: one hop over ``dp``, or (x > 1 and y > 1) (y-1) pieces over ``qwz_inter`` and (x-1) y over
+    ``qwz_intra``."""
+    w = q.wire_nbytes(shard)
+    if x > 1 and y > 1:
+        return {"qwz_inter": (y - 1) * w, "qwz_intra": (x - 1) * y * w}
+    return {"dp": (world - 1) * w} if world > 1 else {}
 
 
 # -- hpZ ------------------------------------------------------------------------------------------
@@ -182,6 +247,7 @@ class QgzReduce:
         self.recv = torch.empty_like(self.send) if x > 1 else self.send
         self.intra_work = [comm.all_to_all(self.recv[k], self.send[k], intra, async_op=True) if x > 1 else None
                            for k in range(s)]
+        self.pending: List[tuple] = []  # per stage sent across nodes: (work, receive buffer)
 
     def _group_of_stage(self, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Step 3 for stage k: the Y slots of this rank's group, summed over the node (payload, scales)."""
@@ -196,6 +262,24 @@ class QgzReduce:
         return self.ops.dequant_sum_requant(payloads, scales, self.q.bits, self.q.block, y * self.plan.sub,
                                             self.q.bits)
 
+    def advance(self, block: bool = False) -> bool:
+        """Steps 3-4 for the next stages whose intra-node hop has arrived (``block``: all of them, waiting):
+        sum, re-quantize and launch the inter-node all-to-all. True when every stage's is launched (one node:
+        there is none). Reduces must be advanced in the order they were launched, on every rank."""
+        x, y, s = self.plan.x, self.plan.y, self.plan.stages
+        if y == 1:
+            return True
+        pb, sb = self.plan.slot_bytes()
+        while len(self.pending) < s:
+            k = len(self.pending)
+            if not block and self.intra_work[k] is not None and not self.intra_work[k].is_completed():
+                return False
+            payload, scales = self._group_of_stage(k)
+            send = torch.cat([payload.view(y, pb), scales.view(torch.uint8).view(y, sb)], dim=1)
+            recv = torch.empty_like(send)
+            self.pending.append((comm.all_to_all(recv, send, self.inter, async_op=True), recv))
+        return True
+
     def wait(self) -> None:
         x, y, s, sub = self.plan.x, self.plan.y, self.plan.stages, self.plan.sub
         pb, sb = self.plan.slot_bytes()
@@ -207,13 +291,8 @@ class QgzReduce:
                 total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
                                                                     sub)
         else:
-            pending: List[Optional[tuple]] = []
-            for k in range(s):
-                payload, scales = self._group_of_stage(k)
-                send = torch.cat([payload.view(y, pb), scales.view(torch.uint8).view(y, sb)], dim=1)
-                recv = torch.empty_like(send)
-                pending.append((comm.all_to_all(recv, send, self.inter, async_op=True), recv))
-            for k, (work, recv) in enumerate(pending):
+            self.advance(block=True)
+            for k, (work, recv) in enumerate(self.pending):
                 work.wait()
                 payloads, scales = _unpack(recv, pb)
                 total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
@@ -222,6 +301,7 @@ class QgzReduce:
         total.div_(x * y)  # step 5: the mean over all P ranks, divided once
         self.out.copy_(total)
         self.send = self.recv = None
+        self.pending = []
 
 
 # -- observability (zero.quant_error_interval) ------------------------------------------------------
@@ -230,6 +310,9 @@ class ComparedReduce:
 
     def __init__(self, work: QgzReduce, out: torch.Tensor, exact: torch.Tensor, acc: torch.Tensor):
         self.work, self.out, self.exact, self.acc = work, out, exact, acc
+
+    def advance(self, block: bool = False) -> bool:
+        return self.work.advance(block)
 
     def wait(self) -> None:
         self.work.wait()
