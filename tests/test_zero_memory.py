@@ -87,3 +87,16 @@ def test_estimator_follows_composed_layouts(world, overrides):
         measured, estimated = sum(r["measured"].values()), sum(r["estimated"].values())
         assert abs(measured - estimated) <= 0.05 * estimated, (r["measured"], r["estimated"])
         assert r["measured"]["working_peak"] > 0
+
+
+def test_working_peak_follows_prefetch_depth_and_reduces_in_flight():
+    """The gathered modules ahead (zero.prefetch_depth) and the full gradients in flight (zero.reduce_in_flight)
+    are what the estimator walks: measured working peak == estimated, byte for byte, and deeper costs more."""
+    peaks = {}
+    for depth, flying in ((1, 1), (3, 3)):
+        out = run_world(measure_worker, 4, ["precision=bf16", "zero.stage=3", "model.tie_embeddings=true",
+                                            f"zero.prefetch_depth={depth}", f"zero.reduce_in_flight={flying}"])
+        for r in out:
+            assert r["measured"]["working_peak"] == r["estimated"]["working_peak"], (depth, flying, r)
+        peaks[depth] = out[0]["measured"]["working_peak"]
+    assert peaks[3] > peaks[1]

@@ -168,6 +168,67 @@ def test_validation_builds_the_hpz_secondary_copy_once_and_the_next_step_reuses_
     assert_step_bytes([r["step1_comm"] for r in ref], overrides, world, secondary_valid=True)  # no hpZ: no effect
 
 
+# -- overlap: when communication happens, never what it carries ---------------------------------------------
+def two_hop_gather_worker(overrides, shard, cases):
+    """For each (bits, block, several_in_flight): qwZ's gather of this rank's random shard in one hop over dp and
+    in two (``GatherRoute``), the second hops launched by ``advance`` oldest first; both results."""
+    import torch.distributed as dist
+
+    from parallel.layout import make_layout
+    from parallel.mesh import Mesh
+    from parallel.zero.zeropp import GatherRoute, Quant, QuantizedGather
+
+    cfg = tiny_config(*overrides)
+    layout = make_layout(cfg, dist.get_world_size(), cfg.parallel.ranks_per_node)
+    mesh = Mesh(layout, torch.device("cpu"))
+    inter, intra = mesh.gather_groups()
+    route = GatherRoute.of(mesh.dp, inter, intra, layout.dp_inter_ranks)
+    out = []
+    for bits, block in cases:
+        g = torch.Generator().manual_seed(1000 * mesh.dp.rank + bits)
+        shards = [torch.randn(shard, generator=g).to(torch.bfloat16) for _ in range(3)]
+        flat = [torch.empty(shard * mesh.dp.size, dtype=torch.bfloat16) for _ in shards]
+        two = [torch.empty_like(f) for f in flat]
+        for f, s in zip(flat, shards):
+            QuantizedGather(f, s, mesh.dp, Quant(bits, block)).wait()
+        works = [QuantizedGather(t, s, mesh.dp, Quant(bits, block), route) for t, s in zip(two, shards)]
+        for w in works:  # three in flight: second hops launched in start order, whenever polled
+            w.advance(block=False)
+        for w in works:
+            w.wait()
+        out.append((flat, two, route is not None))
+    return out
+
+
+def test_two_hop_weight_gather_gives_the_one_hop_bytes():
+    """2 nodes x 3: qwZ's two-hop gather (across nodes among peers of one local index, then inside the node) puts
+    every rank's dequantized shard where the one-hop all-gather does, bit for bit (int8 and int4, ragged blocks,
+    three gathers in flight)."""
+    world, overrides = 6, ["parallel.ranks_per_node=3", "train.global_batch_size=12"]
+    cases = [(8, 128), (4, 30)]
+    for rank_out in run_world(two_hop_gather_worker, world, overrides, 1001, cases):
+        for flat, two, routed in rank_out:
+            assert routed
+            for a, b in zip(flat, two):
+                assert torch.equal(a, b)
+
+
+def test_prefetch_depth_and_reduces_in_flight_change_no_bit():
+    """ZeRO++ with every feature (two-hop qwZ gathers, hpZ, qgZ whose inter-node hop is launched by polling) on
+    2 nodes x 2, bf16: prefetching 3 modules ahead with 4 reduces in flight, or not prefetching at all, gives the
+    losses, gradient norms and validation loss of 1 module ahead and 1 reduce in flight bit for bit, and the
+    counted bytes stay the analytic ones."""
+    world, overrides = LAYOUTS["dp4_2x2"]
+    base = overrides + ["zero.stage=3", "precision=bf16", *ALL]
+    ref = run(world, base + ["zero.prefetch_depth=1", "zero.reduce_in_flight=1"])
+    for extra in (["zero.prefetch_depth=3", "zero.reduce_in_flight=4"], ["zero.prefetch=false"]):
+        out = run(world, base + extra)
+        for key in ("losses", "grad_norms", "val_loss"):
+            assert out[0][key] == ref[0][key], (extra, key, out[0][key], ref[0][key])
+        assert_counted_equals_analytic(out, base + extra, world)
+    assert ref[0]["losses"][-1] < ref[0]["losses"][0]
+
+
 # -- qwZ / qgZ: within tolerance --------------------------------------------------------------------
 # every precision on both layouts; the 8-rank layout's three runs split between DP inside and across nodes (each
 # 8-rank pair of runs costs ~35 s of the suite's 2 cores)
