@@ -3,6 +3,7 @@
 ``kernels.quant`` holds the plain-torch references: blockwise int8/int4
 quantization, the qgZ slice reordering (plain and pipelined) and the fused
 dequantize-sum-requantize step. They define the semantics bit for bit; faster
-versions (``kernels.quant_triton``) are tested against them, and ``kernels.ops``
-picks one (Triton on CUDA, the references on CPU).
+versions are tested against them: ``kernels.quant_cpu`` (plain torch, fewer passes
+and temporaries, used on CPU) and ``kernels.quant_triton`` (used on CUDA).
+``kernels.ops`` picks one (``ZEROPP_REFERENCE=1``: the references themselves).
 """

@@ -19,7 +19,7 @@ ROOT = Path(__file__).resolve().parents[1]
 # parallel/zero/*; "parallel.comm" is one file).
 LAYERS: List[Tuple[str, List[str]]] = [
     ("config: the typed schema and its validation", ["config"]),
-    ("kernels and data: quantization references and their Triton twins; tokenizers, indexed datasets",
+    ("kernels and data: quantization references, their fast CPU and Triton twins; tokenizers, indexed datasets",
      ["kernels", "data"]),
     ("parallel primitives: launch, layout, mesh, the communication door, RNG, schedules, pipeline",
      ["parallel.launch", "parallel.layout", "parallel.mesh", "parallel.comm", "parallel.random",

@@ -338,6 +338,9 @@ def test_is_a_drop_in_module(monkeypatch):
     monkeypatch.setenv("ZEROPP_TRITON", "1")
     assert ops.quant_ops(torch.device("cpu")) is qt
     monkeypatch.delenv("ZEROPP_TRITON")
+    from kernels import quant_cpu
+    assert ops.quant_ops(torch.device("cpu")) is quant_cpu
+    monkeypatch.setenv("ZEROPP_REFERENCE", "1")
     assert ops.quant_ops(torch.device("cpu")) is ref
 
 
