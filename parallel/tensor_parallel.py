@@ -321,6 +321,10 @@ class VocabParallelEmbedding(nn.Module):
     Output: ``[s, b, h]`` (or ``[s/tp, b, h]`` under sequence parallelism) from ids ``[b, s]``.
     """
 
+    backward_reads_weights = False
+    """The weight's gradient is the output gradient added into the looked-up rows; nothing in backward reads the
+    weight (ZeRO-3 does not gather it for backward)."""
+
     def __init__(self, vocab_size: int, dim: int, tp: Group, *, sequence_parallel: bool, std: float = 0.02):
         super().__init__()
         if vocab_size % tp.size:

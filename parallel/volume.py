@@ -120,7 +120,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
 
       stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
       stage 3     per micro-batch: all-gather (N-1) S e_c once per module that uses the unit in forward and
-                  once more for backward (recomputation reuses the backward gather), reduce-scatter (N-1) S e_r
+                  once more for backward (recomputation reuses the backward gather; none where no user's
+                  backward reads the weights: the untied embedding), reduce-scatter (N-1) S e_r
       ZeRO++      (``parallel/zero/zeropp.py``) qwZ: a gather from primary shards sends quantized bytes instead,
                   in two hops where DP spans Y > 1 nodes of X > 1 ranks ((Y-1) pieces on qwz_inter, (X-1) Y on
                   qwz_intra);
@@ -150,7 +151,7 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
             if z.stage == 3:
-                gathers = mb * (sum(k in use.units for use in uses) + 1)
+                gathers = mb * _stage3_gather_count(k, uses)
                 for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y).items():
                     out[group] += nbytes
                 if qgz and n > 1 and n * s >= z.qgz_min_numel:
@@ -167,6 +168,13 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                 out["embedding"] += _ring(2) * s * e_r
     out["world"] += _ring(layout.world_size) * 4
     return dict(out)
+
+
+def _stage3_gather_count(k: int, uses) -> int:
+    """Stage-3 gathers of unit ``k`` per micro-batch: one per module that uses it in forward, and one for backward
+    if any of them reads its weights there (an embedding lookup's backward does not)."""
+    mine = [use for use in uses if k in use.units]
+    return len(mine) + any(use.backward_reads_weights for use in mine)
 
 
 def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool, x: int,
@@ -252,7 +260,8 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: b
       gradients   min of the T fp32 scales (all-reduce), all-to-all of N S FP8 bytes = (N-1) S;
                   stage 0 all-gathers the reduced FP8 shards back, (N-1) S more
       weights     stages 1-2: after the step, all-gather of (S + 4 T) bytes (E4M3 shard + its scales);
-                  stage 3: the same payload per gather (forward uses + 1 backward, per micro-batch), or with
+                  stage 3: the same payload per gather (forward uses + 1 backward unless no user reads the weights in backward, per
+                  micro-batch), or with
                   hpZ the first from primary shards (none with ``secondary_valid``: a validation pass built the
                   secondary copies) and the rest (H-1)(ceil(P / H) + 4 T) on dp_hpz (P the unit's elements: the
                   secondary slices hold the compact E4M3 bytes, no layout padding)
@@ -276,7 +285,7 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: b
             if z.stage in (1, 2):
                 out["dp"] += (n - 1) * (s + 4 * T)
             elif z.stage == 3:
-                gathers = mb * (sum(k in use.units for use in uses) + 1)
+                gathers = mb * _stage3_gather_count(k, uses)
                 for group, nbytes in _fp8_stage3_gathers(cfg, unit, gathers, s, n, secondary_valid).items():
                     out[group] += nbytes
             sp = sum(p.numel() for p in unit.params if p.spec.sequence_parallel)

@@ -99,10 +99,12 @@ def test_fp8_stage3_weight_gathers_are_half():
     fp8 = run(2, over + [FP8])[0]["raw"]["all_gather/dp"]
     cfg = tiny_config(*over)
     tensors_per_layer = 6  # qkv, proj, up, down, two norms
-    units = cfg.model.n_layers + 3  # blocks, embedding, final norm, head
-    gathers_per_unit = 2 * cfg.train.global_batch_size // cfg.train.micro_batch_size // 2  # fwd + bwd per mb
-    scales = 4 * (cfg.model.n_layers * tensors_per_layer + 3) * gathers_per_unit
-    assert units and fp8 == bf16 // 2 + scales
+    microbatches = cfg.train.global_batch_size // cfg.train.micro_batch_size // 2
+    tensors = cfg.model.n_layers * tensors_per_layer + 3  # blocks, embedding, final norm, head
+    # one fp32 scale per tensor and gather: forward and backward per micro-batch, except the embedding's backward
+    # (a lookup's backward does not read its weights: not gathered)
+    scales = 4 * (2 * tensors - 1) * microbatches
+    assert fp8 == bf16 // 2 + scales
 
 
 def test_fp8_model_state_is_6_bytes_a_parameter():

@@ -35,7 +35,7 @@ from parallel.layout import Layout
 from parallel.schedule import train_schedule
 from parallel.volume import DTYPE_BYTES
 from parallel.zero.partition import shard_layout
-from parallel.zero.units import chunk_units, meta_chunks
+from parallel.zero.units import ModuleUse, chunk_units, meta_chunks
 
 COMPONENTS = ("parameters", "gradients", "optimizer", "working_peak")
 
@@ -69,7 +69,7 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         full_p = [n * s * e_c if z.stage == 3 else 0 for s in shards]
         full_g = [n * s * e_r for s in shards]
         depth = z.prefetch_depth if z.stage == 3 and z.prefetch else 0
-        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, depth, z.reduce_in_flight))
+        peaks.append(_working_peak(uses, full_p, full_g, depth, z.reduce_in_flight))
     if z.stage == 3 or (z.stage == 2 and layout.num_microbatches == 1):
         out["working_peak"] = max(peaks)
     elif z.stage == 2:  # a chunk's full gradients live from its first backward of the step to its last
@@ -115,8 +115,8 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             full_p.append(2 * total)
             full_g.append(4 * total)
         depth = z.prefetch_depth if z.prefetch else 0
-        peaks.append(_working_peak([u.units for u in uses], full_p, full_g, depth, 1))
-        weights_only.append(_working_peak([u.units for u in uses], full_p, [0] * len(full_g), depth, 1))
+        peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
+        weights_only.append(_working_peak(uses, full_p, [0] * len(full_g), depth, 1))
         grads_all += sum(full_g)
     # one micro-batch: a unit's fp32 gradient lives from its backward to its reduction; with accumulation
     # every unit's lives from the first backward to the last micro-batch's reduction
@@ -124,15 +124,20 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     return out
 
 
-def _working_peak(uses: List[List[int]], full_p: List[int], full_g: List[int], depth: int,
+def _working_peak(module_uses: List[ModuleUse], full_p: List[int], full_g: List[int], depth: int,
                   in_flight: int) -> int:
     """Peak bytes of gathered parameters plus full gradients during one forward and one backward of a chunk,
     following ``parallel/zero/sharded.py``: a module's units are gathered before it runs (and the next
     ``depth`` modules' prefetched), released after its forward; in backward the gradient of a unit fills its
     full buffer, and when the unit's first user (in forward order) has run backward the unit is released and
-    reduce-scattered, after waiting for the oldest ones until fewer than ``in_flight`` are in flight."""
+    reduce-scattered, after waiting for the oldest ones until fewer than ``in_flight`` are in flight. A module
+    whose backward does not read its weights (an embedding lookup) is not gathered for backward."""
+    uses = [u.units for u in module_uses]
+    backward = [set(u.units) if u.backward_reads_weights else set() for u in module_uses]
+
     def ahead(i: int, step: int) -> set:
-        return {u for d in range(1, depth + 1) if 0 <= i + d * step < len(uses) for u in uses[i + d * step]}
+        picked = uses if step > 0 else backward
+        return {u for d in range(1, depth + 1) if 0 <= i + d * step < len(uses) for u in picked[i + d * step]}
 
     peak, gathered = 0, set()
     for i, use in enumerate(uses):  # forward
@@ -142,7 +147,7 @@ def _working_peak(uses: List[List[int]], full_p: List[int], full_g: List[int], d
     first_use = {u: min(i for i, use in enumerate(uses) if u in use) for use in uses for u in use}
     gathered, flying = set(), []
     for i in reversed(range(len(uses))):  # backward
-        gathered |= set(uses[i]) | ahead(i, -1)
+        gathered |= backward[i] | ahead(i, -1)
         for u in sorted((u for u in uses[i] if first_use[u] == i), reverse=True):
             peak = max(peak, sum(full_p[v] for v in gathered) + full_g[u] + sum(full_g[v] for v in flying))
             gathered.discard(u)

@@ -38,8 +38,9 @@ a prefetch if one is in flight) and prefetches the units of the next
 ``zero.prefetch_depth`` modules (the order is recorded during each chunk's first
 forward); the forward hook releases them (storage resized to 0: the parameters
 keep their shapes and autograd's saved references) and hooks the module output,
-whose gradient's arrival gathers them again for backward and prefetches the
-previous modules'. qwZ's two-hop gathers (``zeropp.py``) get their second hop
+whose gradient's arrival gathers them again for backward (unless the module's
+backward does not read them: an embedding lookup's) and prefetches the previous
+modules'. qwZ's two-hop gathers (``zeropp.py``) get their second hop
 launched by the same polling as the reduces. A unit is released
 when its last gradient arrives. Activation recomputation runs inside backward,
 where the forward hook does not release: the recompute's gather *is* the
@@ -208,7 +209,8 @@ class ZeroDataParallel:
                 units.append(unit)
             self.chunk_units.append(units)
             # the same module uses, holding this strategy's Unit objects instead of indices
-            self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units]) for u in uses])
+            self.chunk_uses.append([ModuleUse(u.module, [units[i] for i in u.units], u.backward_reads_weights)
+                                    for u in uses])
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
         self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight, oldest first
@@ -403,7 +405,7 @@ class ZeroDataParallel:
         if i is None:
             return
         for d in range(1, self.depth + 1):
-            if 0 <= i + d * step < len(order):
+            if 0 <= i + d * step < len(order) and (step > 0 or order[i + d * step].backward_reads_weights):
                 for unit in order[i + d * step].units:
                     self._start_gather(unit)
         self._poll()
@@ -447,8 +449,9 @@ class ZeroDataParallel:
         unit.secondary.copy_(unit.full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
 
     def _pre_backward(self, chunk: int, use: ModuleUse, grad: torch.Tensor) -> None:
-        for unit in use.units:
-            self._gather(unit)
+        if use.backward_reads_weights:
+            for unit in use.units:
+                self._gather(unit)
         self._prefetch(chunk, use, -1)
 
     # -- observability ----------------------------------------------------------------------------

@@ -39,6 +39,9 @@ class ModuleUse:
     module: nn.Module
     units: List[int] = field(default_factory=list)
     """Indices (into the chunk's unit list) of the units this module's forward needs."""
+    backward_reads_weights: bool = True
+    """Whether the module's backward needs its weights (not an embedding lookup's: its ``backward_reads_weights``
+    class attribute says so): stage 3 gathers them again for backward only where it does."""
 
 
 def chunk_units(chunk: nn.Module) -> tuple:
@@ -53,7 +56,7 @@ def chunk_units(chunk: nn.Module) -> tuple:
     uses: List[ModuleUse] = []
     owner = {}
     for name, module in modules:
-        use = ModuleUse(module)
+        use = ModuleUse(module, backward_reads_weights=getattr(module, "backward_reads_weights", True))
         fresh = [p for p in module.parameters() if p.requires_grad and p not in owner]
         if fresh:
             for p in fresh:
