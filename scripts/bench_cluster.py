@@ -37,6 +37,7 @@ exit, on failure and on SIGINT/SIGTERM/SIGHUP.
 from __future__ import annotations
 
 import argparse
+import contextlib
 import json
 import os
 import re
@@ -282,6 +283,15 @@ def _spread(values: List[float]) -> str:
     return f" ({min(values):.2f}-{max(values):.2f})" if len(values) > 1 else ""
 
 
+def _time_cell(median: float, rounds: List[dict], time_key: str, error_key: str) -> str:
+    """A step-time median with the rounds' spread and, if some failed, how many and the first error."""
+    cell = f"{median:.3f}" + _spread([x[time_key] for x in rounds if x.get(time_key) is not None])
+    failed = [x[error_key] for x in rounds if x.get(error_key)]
+    if failed:
+        cell += f" [{len(failed)} of {len(rounds)} rounds failed: {failed[0]}]"
+    return cell
+
+
 def table(results: List[dict], cluster: Optional[netemu.Cluster] = None, args=None) -> str:
     """The rows' table, the speed-up lines under it (:func:`summary_lines`) and rank 0's bytes by kind."""
     base = next((r for r in results if r["row"] == "zero3" and "error" not in r), None)
@@ -297,18 +307,9 @@ def table(results: List[dict], cluster: Optional[netemu.Cluster] = None, args=No
         rounds = r.get("rounds", [])
         cv = f"{r['counted_inter_bytes'] / base['counted_inter_bytes']:.3f}" if base else "-"
         wv = f"{r['wire_bytes'] / base['wire_bytes']:.3f}" if base else "-"
-        step = f"{r['step_time_s']:.3f}" + _spread([x["step_time_s"] for x in rounds
-                                                    if x.get("step_time_s") is not None])
-        failed = [x["error"] for x in rounds if x.get("error")]
-        if failed:
-            step += f" [{len(failed)} of {len(rounds)} rounds failed: {failed[0]}]"
-        unshaped = r.get("unshaped_step_time_s")
-        if unshaped is not None:
-            ushaped = f"{unshaped:.3f}" + _spread([x["unshaped_step_time_s"] for x in rounds
-                                                   if x.get("unshaped_step_time_s") is not None])
-            ufailed = [x["unshaped_error"] for x in rounds if x.get("unshaped_error")]
-            if ufailed:
-                ushaped += f" [{len(ufailed)} of {len(rounds)} rounds failed: {ufailed[0]}]"
+        step = _time_cell(r["step_time_s"], rounds, "step_time_s", "error")
+        if r.get("unshaped_step_time_s") is not None:
+            ushaped = _time_cell(r["unshaped_step_time_s"], rounds, "unshaped_step_time_s", "unshaped_error")
         else:
             ushaped = f"failed: {r['unshaped_error']}" if r.get("unshaped_error") else "-"
         ratio = f"{r['overlap_ratio']:.2f}" if r.get("overlap_ratio") is not None else "-"
@@ -419,13 +420,9 @@ def run_rows(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> 
                 print(f"[bench_cluster] row {name}{tag} ...", flush=True)
                 run_dir_name = (name if args.repeat == 1 else f"{name}.{rep}") + (".unshaped" if unshaped else "")
                 port = MASTER_PORT + 2 * (rep * len(names) + k) + int(unshaped)
-                if unshaped:
-                    with cluster.unshaped():
-                        r = run_row(cluster, table_rows[name], args, workdir, port, run_dir_name)
-                    unshaped_runs[name].append(r)
-                else:
+                with cluster.unshaped() if unshaped else contextlib.nullcontext():
                     r = run_row(cluster, table_rows[name], args, workdir, port, run_dir_name)
-                    runs[name].append(r)
+                (unshaped_runs if unshaped else runs)[name].append(r)
                 label = f"{name}{' unshaped' if unshaped else ''}"
                 if "error" in r:
                     print(f"[bench_cluster]   {label}: {r['error']}", flush=True)

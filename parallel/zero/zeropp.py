@@ -266,7 +266,7 @@ class QgzReduce:
         """Steps 3-4 for the next stages whose intra-node hop has arrived (``block``: all of them, waiting):
         sum, re-quantize and launch the inter-node all-to-all. True when every stage's is launched (one node:
         there is none). Reduces must be advanced in the order they were launched, on every rank."""
-        x, y, s = self.plan.x, self.plan.y, self.plan.stages
+        y, s = self.plan.y, self.plan.stages
         if y == 1:
             return True
         pb, sb = self.plan.slot_bytes()
