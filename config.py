@@ -170,20 +170,36 @@ class ZeroConfig:
     """Stages 2-3: gradient reduce-scatters (or qgZ reduces) allowed in flight while backward continues; each
     holds its unit's full gradient buffer until it arrives (counted in the working peak)."""
     quantized_weights: bool = False
-    """ZeRO++ qwZ (stage 3): all-gather weights blockwise-quantized to zero.weight_bits, dequantized on arrival;
-    the persistent shard and the master weights are never quantized."""
+    """ZeRO++ qwZ: all-gather weights blockwise-quantized to zero.weight_bits, dequantized on arrival (stage 3:
+    every gather from the primary shards; stages 1-2: the post-step all-gather of the updated parameters); the
+    persistent shard and the master weights are never quantized."""
     weight_bits: int = 8
     """qwZ bits per weight: 8 | 4."""
+    weight_delta: bool = False
+    """qWD (SDP4Bit) with zero.quantized_weights: a gather sends the zero.weight_bits-quantized difference between
+    the new weights and the copy every receiver reconstructed last time (not the weights), and receivers add it
+    to that copy, so quantization error does not accumulate. Stages 1-2: the post-step all-gather (every rank
+    holds the previous weights). Stage 3: needs hpZ (zero.hpz_size > 1), whose secondary shards hold the
+    previous weights. The first gather of a run, and the first after a resume from a checkpoint without the
+    reconstructed copy, is exact (unquantized, compute dtype); a checkpoint of a qWD run keeps the copy, so a
+    resume continues bit for bit."""
     hpz_size: int = 1
     """ZeRO++ hpZ (stage 3): keep a secondary copy of each block's gathered weights sharded over this many DP ranks
     of one node, so backward (and later micro-batches) gather inside the node; 1 = off. Must divide the DP ranks
     per node; costs (parameters / hpz_size) extra memory per rank."""
     quantized_gradients: bool = False
-    """ZeRO++ qgZ (stage 3): reduce-scatter gradients by quantized hierarchical all-to-all (intra-node, then
+    """ZeRO++ qgZ (stages 1-3): reduce-scatter gradients by quantized hierarchical all-to-all (intra-node, then
     inter-node, fp32 sums, one division by the DP size). A block whose gradient buffer has fewer than
     zero.qgz_min_numel elements takes the plain reduce-scatter instead."""
     gradient_bits: int = 4
-    """qgZ bits per gradient: 4 | 8."""
+    """qgZ bits per gradient across nodes (the inter-node hop; the whole reduce where a node holds one DP rank):
+    4 | 8."""
+    gradient_bits_intra: Optional[int] = None
+    """qgZ bits of the intra-node hop: 4 | 8; null = zero.gradient_bits. SDP4Bit's two-level setting is 8 here
+    and 4 across nodes."""
+    gradient_hadamard: bool = False
+    """qgZ: rotate every quantization block by a seeded random-sign Hadamard transform before quantizing (and
+    back after the reduce), spreading outliers over the block; zero.quant_block must be a power of two."""
     quant_block: int = 128
     """qwZ / qgZ quantization block: consecutive values sharing one fp32 scale (even, 2 to 2**16)."""
     qgz_stages: int = 2
@@ -544,15 +560,25 @@ def validate_config(cfg: Config) -> None:
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), f"zero.stage={z.stage} is not one of [0, 1, 2, 3]")
     need(z.hpz_size >= 1, f"zero.hpz_size={z.hpz_size} must be >= 1")
-    zeropp = {"zero.quantized_weights": z.quantized_weights, "zero.hpz_size": z.hpz_size,
-              "zero.quantized_gradients": z.quantized_gradients}
-    for key, value in zeropp.items():
-        need(z.stage == 3 or value == _get(Config(), key),
-             f"{key}={value} needs zero.stage=3 (got zero.stage={z.stage})")
-    for key in ("zero.weight_bits", "zero.gradient_bits"):
-        need(_get(cfg, key) in (4, 8), f"{key}={_get(cfg, key)} must be 4 or 8")
+    need(z.stage == 3 or z.hpz_size == 1, f"zero.hpz_size={z.hpz_size} needs zero.stage=3 (got zero.stage={z.stage})")
+    for key in ("zero.quantized_weights", "zero.quantized_gradients"):
+        need(z.stage >= 1 or not _get(cfg, key), f"{key}=true needs zero.stage 1, 2 or 3 (got zero.stage=0)")
+    for key in ("zero.weight_bits", "zero.gradient_bits", "zero.gradient_bits_intra"):
+        need(_get(cfg, key) in (4, 8) or key.endswith("_intra") and _get(cfg, key) is None,
+             f"{key}={_get(cfg, key)} must be 4 or 8")
+    need(not z.weight_delta or z.quantized_weights,
+         "zero.weight_delta=true needs zero.quantized_weights=true (the differences travel at zero.weight_bits)")
+    need(not (z.weight_delta and z.stage == 3 and z.hpz_size == 1),
+         "zero.weight_delta=true at zero.stage=3 needs zero.hpz_size > 1 (hpZ's secondary shards hold the previous "
+         "weights the differences apply to)")
+    for key in ("zero.gradient_hadamard", "zero.gradient_bits_intra"):
+        need(_get(cfg, key) in (False, None) or z.quantized_gradients,
+             f"{key}={_get(cfg, key)} needs zero.quantized_gradients=true")
     need(2 <= z.quant_block <= MAX_QUANT_BLOCK and z.quant_block % 2 == 0,
          f"zero.quant_block={z.quant_block} must be an even number in [2, {MAX_QUANT_BLOCK}] (config.MAX_QUANT_BLOCK)")
+    need(not z.gradient_hadamard or z.quant_block & (z.quant_block - 1) == 0,
+         f"zero.gradient_hadamard=true needs zero.quant_block to be a power of two (got {z.quant_block}): the "
+         f"Hadamard transform rotates whole blocks")
     within("zero.qgz_stages", 1, MAX_QGZ_STAGES, "config.MAX_QGZ_STAGES")
     within("zero.prefetch_depth", 1, MAX_IN_FLIGHT, "config.MAX_IN_FLIGHT; zero.prefetch=false turns prefetching off")
     within("zero.reduce_in_flight", 1, MAX_IN_FLIGHT, "config.MAX_IN_FLIGHT")

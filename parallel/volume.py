@@ -44,11 +44,13 @@ def _ring(n: int) -> float:
     return 2 * (n - 1) / n if n > 1 else 0.0
 
 
-def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False) -> Dict[str, float]:
+def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,
+               first_step: bool = False) -> Dict[str, float]:
     """Bytes this rank sends in one training step, by group name.
 
     ``secondary_valid``: ZeRO-3 with hpZ, a validation pass ran since the last optimizer step and built the
-    secondary copies, so this step gathers only from them (``zero_step_bytes``)."""
+    secondary copies, so this step gathers only from them (``zero_step_bytes``). ``first_step``: the first step
+    of a run (or after a resume without qWD's reconstructed weights), where ZeRO-3's qWD gathers exactly."""
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[cfg.precision]
     s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model
@@ -109,16 +111,18 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
             out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
         out["mp"] += _ring(pp * t) * 4
     else:
-        for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid).items():
+        for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid, first_step).items():
             out[group] += nbytes
     out["world"] += _ring(layout.world_size) * 4
     return dict(out)
 
 
-def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False) -> Dict[str, float]:
+def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,
+                    first_step: bool = False) -> Dict[str, float]:
     """ZeRO 1-3 traffic of one step, per unit (``parallel/zero/units.py``) with S its padded shard:
 
-      stages 1-2  reduce-scatter (N-1) S e_r once, all-gather of the updated parameters (N-1) S e_c once
+      stages 1-2  reduce-scatter (N-1) S e_r once (qgZ: below), all-gather of the updated parameters
+                  (N-1) S e_c once (qwZ, with or without qWD: the quantized gather below, once)
       stage 3     per micro-batch: all-gather (N-1) S e_c once per module that uses the unit in forward and
                   once more for backward (recomputation reuses the backward gather; none where no user's
                   backward reads the weights: the untied embedding), reduce-scatter (N-1) S e_r
@@ -127,14 +131,18 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                   qwz_intra);
                   hpZ: only the step's first gather of a unit is from primary shards (on dp), every other is
                   (H-1) N S / H e_c on dp_hpz; with ``secondary_valid`` (a validation pass since the last step
-                  built the secondary copies) the first one too; qgZ: units of at least qgz_min_numel elements
-                  reduce by the two all-to-alls (dp_intra, dp_inter) of ``QgzPlan`` instead of the reduce-scatter
+                  built the secondary copies) the first one too; qWD (with hpZ): the first gather sends the
+                  quantized differences (the qwZ bytes) plus one secondary gather (dp_hpz) of the previous
+                  weights, except in the ``first_step``, an exact (N-1) S e_c gather on dp;
+                  qgZ (stages 1-3): units of at least qgz_min_numel elements reduce by the two all-to-alls
+                  (dp_intra at zero.gradient_bits_intra, dp_inter at zero.gradient_bits) of ``QgzPlan`` instead
+                  of the reduce-scatter
       all         sequence-parallel gradient pieces in this rank's shards all-reduced over TP; the tied
                   embedding's gradient shard over first + last stage; the norm's square sum over the world
     (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
-    from parallel.zero.zeropp import QgzPlan, Quant
+    from parallel.zero.zeropp import QgzPlan, Quant, qwz_gather_bytes
 
     z, n, t = cfg.zero, layout.dp, layout.tp
     e_c = DTYPE_BYTES[cfg.precision]
@@ -143,6 +151,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     mb = layout.num_microbatches
     tie = cfg.model.tie_embeddings and layout.pp > 1
     qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
+    qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.quantized_gradients and z.gradient_bits_intra else None
+    qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
     x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
     for chunk in meta_chunks(cfg, layout, pp_rank):
@@ -150,18 +160,22 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
         for k, unit in enumerate(units):
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
+            reduces = mb if z.stage == 3 else 1
+            if qgz and n > 1 and n * s >= z.qgz_min_numel:
+                intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages, qgz_intra).bytes_per_rank()
+                out["dp_intra"] += reduces * intra
+                out["dp_inter"] += reduces * inter
+            else:
+                out["dp"] += reduces * (n - 1) * s * e_r
             if z.stage == 3:
                 gathers = mb * _stage3_gather_count(k, uses)
-                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y).items():
+                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y, first_step).items():
                     out[group] += nbytes
-                if qgz and n > 1 and n * s >= z.qgz_min_numel:
-                    intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages).bytes_per_rank()
-                    out["dp_intra"] += mb * intra
-                    out["dp_inter"] += mb * inter
-                else:
-                    out["dp"] += mb * (n - 1) * s * e_r
+            elif qwz and n > 1:
+                for group, nbytes in qwz_gather_bytes(s, n, qwz, x, y).items():
+                    out[group] += nbytes
             else:
-                out["dp"] += (n - 1) * s * (e_c + e_r)
+                out["dp"] += (n - 1) * s * e_c
             sp = sum(b - a for i, a, b, _ in shard.owned(dp_rank) if unit.params[i].spec.sequence_parallel)
             out["tp"] += _ring(t) * sp * e_r
             if tie and (unit.name == "embedding" or any(p.spec.shared_with for p in unit.params)):
@@ -178,19 +192,26 @@ def _stage3_gather_count(k: int, uses) -> int:
 
 
 def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool, x: int,
-                    y: int) -> Dict[str, float]:
+                    y: int, first_step: bool = False) -> Dict[str, float]:
     """``gathers`` stage-3 gathers of a unit with shards of ``s`` elements over ``n`` = x * y DP ranks (x a node),
-    by group: from the primary shards (qwZ: quantized, two hops where x > 1 and y > 1), or with hpZ the first
-    from them (none if ``secondary_valid``), the rest from the secondary copies inside the node."""
+    by group: from the primary shards (qwZ: quantized, two hops where x > 1 and y > 1; qWD: the quantized
+    differences plus the node's secondary copies of the previous weights, or exact in the ``first_step``), or
+    with hpZ the first from them (none if ``secondary_valid``), the rest from the secondary copies inside the
+    node."""
     from parallel.zero.zeropp import Quant, hpz_gather_bytes, qwz_gather_bytes
 
     z, e_c = cfg.zero, DTYPE_BYTES[cfg.precision]
     qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
-    primary = qwz_gather_bytes(s, n, qwz, x, y) if qwz else {"dp": (n - 1) * s * e_c}
+    if qwz and not (z.weight_delta and first_step):
+        primary = dict(qwz_gather_bytes(s, n, qwz, x, y))
+        if z.weight_delta:
+            primary["dp_hpz"] = hpz_gather_bytes(n * s, z.hpz_size, e_c)
+    else:
+        primary = {"dp": (n - 1) * s * e_c}
     first = gathers if z.hpz_size == 1 else 0 if secondary_valid else min(1, gathers)
     out = {group: first * nbytes for group, nbytes in primary.items()}
     if z.hpz_size > 1:
-        out["dp_hpz"] = (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
+        out["dp_hpz"] = out.get("dp_hpz", 0) + (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
     return out
 
 

@@ -72,6 +72,9 @@ class Row:
 
 def rows_for(ranks_per_node: int) -> Dict[str, Row]:
     z3 = ["zero.stage=3"]
+    hpz = [f"zero.hpz_size={ranks_per_node}"]
+    qwd4 = ["zero.quantized_weights=true", "zero.weight_bits=4", "zero.weight_delta=true"]
+    hqgz4 = ["zero.quantized_gradients=true", "zero.gradient_bits=4", "zero.gradient_hadamard=true"]
     return {r.name: r for r in [
         Row("dp", "train", ["zero.stage=0"], "plain DP (all-reduce), sanity"),
         Row("zero3", "train", z3, "ZeRO-3"),
@@ -80,6 +83,12 @@ def rows_for(ranks_per_node: int) -> Dict[str, Row]:
         Row("qgz", "train", z3 + ["zero.quantized_gradients=true"], "qgZ alone"),
         Row("zeropp", "train", z3 + ["zero.quantized_weights=true", f"zero.hpz_size={ranks_per_node}",
                                      "zero.quantized_gradients=true"], "ZeRO++ (qwZ+hpZ+qgZ)"),
+        Row("zeropp_4bit", "train", z3 + hpz + qwd4 + hqgz4,
+            "4-bit weight differences + hpZ + Hadamard 4-bit gradients (SDP4Bit-style)"),
+        Row("zeropp_4bit_direct", "train", z3 + hpz + qwd4[:2] + hqgz4,
+            "direct 4-bit weights + hpZ + Hadamard 4-bit gradients"),
+        Row("zeropp_4bit_two_level", "train", z3 + hpz + qwd4 + hqgz4 + ["zero.gradient_bits_intra=8"],
+            "4-bit weight differences + hpZ + Hadamard gradients, 8 bits inside the node, 4 across"),
         Row("fsdp2", "fsdp2", ["--mesh", "full"], "FSDP2 full shard"),
         Row("fsdp2_hybrid", "fsdp2", ["--mesh", "hybrid"], "FSDP2 hybrid shard"),
         Row("fsdp2_dim0", "fsdp2", ["--mesh", "full", "--placement", "dim0"],

@@ -1,21 +1,28 @@
-"""Does ZeRO++ converge like ZeRO-3? Train the same job under each and print the losses side by side.
+"""Does ZeRO++ (and 4-bit communication) converge like plain ZeRO? Train the same job under each and print the
+losses side by side.
 
     python scripts/convergence_zeropp.py                     # 300 steps, bf16, 4 ranks as 2 nodes x 2
-    python scripts/convergence_zeropp.py --steps 100 --rows zero3 zeropp
+    python scripts/convergence_zeropp.py --steps 150 --rows zero3 zeropp_4bit zeropp_4bit_direct
 
 Every row is the real trainer (``train.py`` under ``torchrun --nproc-per-node 4``) on the bundled
 sample corpus with ``parallel.ranks_per_node=2`` (two simulated nodes, so qgZ's intra- and
-inter-node hops and hpZ's node-local group are real), the same seed, data order and batch:
+inter-node hops and hpZ's node-local group are real), the same seed, data order and batch. Each row
+is compared with the plain run of its ZeRO stage (its *baseline*):
 
-  zero3    zero.stage=3
-  qwz      + int8 quantized weight all-gather
-  hpz      + secondary shards over the 2 ranks of a node
-  qgz      + int4 hierarchical gradient reduce
-  zeropp   all three
+  zero3               zero.stage=3
+  qwz / hpz / qgz     + int8 quantized weight all-gather / secondary shards over a node / int4 gradient reduce
+  zeropp              all three (ZeRO++)
+  zeropp_4bit         4-bit weight differences (qWD) + hpZ + Hadamard-smoothed 4-bit gradients (SDP4Bit-style)
+  zeropp_4bit_noh     the same without the Hadamard transform
+  zeropp_4bit_direct  direct 4-bit weights (no differences) + hpZ + Hadamard 4-bit gradients: the contrast
+  zero1, zero2        zero.stage=1 / 2
+  zero1_4bit, zero2_4bit  4-bit weight differences in the post-step gather, two-level gradients (8 bits
+                      inside the node, 4 across, Hadamard) in the reduce-scatter
 
 Printed: final training loss (the last step's, and the mean of the last 10% of steps, less noisy),
-final validation loss, and each one's difference to ZeRO-3. The issue's bar: ZeRO++'s final
-validation loss within 1% of ZeRO-3's. A script, not a test: it takes minutes.
+final validation loss and its difference to the baseline's, and the counted inter-node bytes of a step
+(rank 0's ``comm.by_link.inter`` x 4 ranks) against the baseline's. The issues' bar: final validation
+loss within 1% of the baseline's. A script, not a test: it takes minutes.
 """
 from __future__ import annotations
 
@@ -28,19 +35,32 @@ import tempfile
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-ROWS = {
-    "zero3": [],
-    "qwz": ["zero.quantized_weights=true"],
-    "hpz": ["zero.hpz_size=2"],
-    "qgz": ["zero.quantized_gradients=true"],
-    "zeropp": ["zero.quantized_weights=true", "zero.hpz_size=2", "zero.quantized_gradients=true"],
+QWD4 = ["zero.quantized_weights=true", "zero.weight_bits=4", "zero.weight_delta=true"]
+HQGZ4 = ["zero.quantized_gradients=true", "zero.gradient_bits=4", "zero.gradient_hadamard=true"]
+TWO_LEVEL = HQGZ4 + ["zero.gradient_bits_intra=8"]
+ROWS = {  # name: (baseline row, overrides)
+    "zero3": ("zero3", ["zero.stage=3"]),
+    "qwz": ("zero3", ["zero.stage=3", "zero.quantized_weights=true"]),
+    "hpz": ("zero3", ["zero.stage=3", "zero.hpz_size=2"]),
+    "qgz": ("zero3", ["zero.stage=3", "zero.quantized_gradients=true"]),
+    "zeropp": ("zero3", ["zero.stage=3", "zero.quantized_weights=true", "zero.hpz_size=2",
+                         "zero.quantized_gradients=true"]),
+    "zeropp_4bit": ("zero3", ["zero.stage=3", "zero.hpz_size=2"] + QWD4 + HQGZ4),
+    "zeropp_4bit_noh": ("zero3", ["zero.stage=3", "zero.hpz_size=2"] + QWD4 + HQGZ4[:2]),
+    "zeropp_4bit_direct": ("zero3", ["zero.stage=3", "zero.hpz_size=2"] + QWD4[:2] + HQGZ4),
+    "zero1": ("zero1", ["zero.stage=1"]),
+    "zero1_4bit": ("zero1", ["zero.stage=1"] + QWD4 + TWO_LEVEL),
+    "zero2": ("zero2", ["zero.stage=2"]),
+    "zero2_4bit": ("zero2", ["zero.stage=2"] + QWD4 + TWO_LEVEL),
 }
+DEFAULT_ROWS = ["zero3", "zeropp", "zeropp_4bit", "zeropp_4bit_direct", "zero1", "zero1_4bit", "zero2",
+                "zero2_4bit"]
 
 
 def run(name: str, extra: list, args, out_dir: Path) -> dict:
     run_dir = out_dir / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "train.py"), "precision=bf16", "zero.stage=3", "parallel.ranks_per_node=2",
+           str(ROOT / "train.py"), "precision=bf16", "parallel.ranks_per_node=2",
            f"train.max_steps={args.steps}", f"train.eval_interval={args.steps}", "logging.interval=1",
            "train.micro_batch_size=4", "train.global_batch_size=16", "checkpoint.interval=0",
            "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}",
@@ -52,37 +72,47 @@ def run(name: str, extra: list, args, out_dir: Path) -> dict:
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
     losses = [r["loss"] for r in records if "loss" in r]
     tail = losses[-max(1, len(losses) // 10):]
+    inter = [r["comm"]["by_link"].get("inter", 0) for r in records if "comm" in r]
     return {"final": losses[-1], "tail": sum(tail) / len(tail),
             "val": [r["val_loss"] for r in records if "val_loss" in r][-1],
+            "inter_mib": 4 * inter[-1] / 2**20 if inter else 0.0,  # the last step's, all 4 ranks
             "step_s": sum(r["step_time_s"] for r in records if "step_time_s" in r) / len(losses)}
 
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
-    ap.add_argument("--rows", nargs="+", default=list(ROWS), choices=list(ROWS))
+    ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every row")
     args = ap.parse_args(argv)
-    rows = ["zero3"] + [r for r in args.rows if r != "zero3"]
+    rows = []
+    for name in args.rows:  # every row's baseline runs first
+        for r in (ROWS[name][0], name):
+            if r not in rows:
+                rows.append(r)
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or tmp)
         results = {}
         for name in rows:
-            results[name] = run(name, ROWS[name], args, out_dir)
+            results[name] = run(name, ROWS[name][1], args, out_dir)
             print(f"[convergence] {name}: {results[name]}", file=sys.stderr, flush=True)
-    ref = results["zero3"]
     print(f"\n{args.steps} steps, bf16, 4 ranks as 2 nodes x 2, bundled corpus\n")
-    print("| run | final train loss | mean of last 10% | final val loss | val vs ZeRO-3 | s/step |")
-    print("|---|---|---|---|---|---|")
+    print("| run | baseline | final train loss | mean of last 10% | final val loss | val vs baseline | "
+          "inter-node MiB/step | vs baseline | s/step |")
+    print("|---|---|---|---|---|---|---|---|---|")
+    verdicts = []
     for name, r in results.items():
+        base_name = ROWS[name][0]
+        ref = results[base_name]
         rel = (r["val"] - ref["val"]) / ref["val"]
-        print(f"| {name} | {r['final']:.4f} | {r['tail']:.4f} | {r['val']:.4f} | {100 * rel:+.2f}% | "
-              f"{r['step_s']:.2f} |")
-    if "zeropp" in results:
-        rel = abs(results["zeropp"]["val"] - ref["val"]) / ref["val"]
-        print(f"\nZeRO++ final validation loss within 1% of ZeRO-3's: {'yes' if rel <= 0.01 else 'NO'} "
-              f"({100 * rel:.2f}%)")
+        ratio = r["inter_mib"] / ref["inter_mib"] if ref["inter_mib"] else float("nan")
+        print(f"| {name} | {base_name} | {r['final']:.4f} | {r['tail']:.4f} | {r['val']:.4f} | {100 * rel:+.2f}% | "
+              f"{r['inter_mib']:.3f} | {ratio:.3f} | {r['step_s']:.2f} |")
+        if name != base_name:
+            verdicts.append(f"{name}: validation loss within 1% of {base_name}'s: {'yes' if abs(rel) <= 0.01 else 'NO'} "
+                            f"({100 * rel:+.2f}%), inter-node bytes {ratio:.3f}x")
+    print("\n" + "\n".join(verdicts))
     return 0
 
 

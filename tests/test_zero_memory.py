@@ -67,7 +67,9 @@ def test_config_errors_name_the_zero_key(capsys, tmp_path):
 
     for args, expected in [(["zero.stage=4"], "zero.stage=4"), (["zero.partition=striped"], "zero.partition"),
                            (["zero.stage=1", "zero.hpz_size=2"], "zero.hpz_size=2 needs zero.stage=3"),
-                           (["zero.stage=2", "zero.quantized_weights=true"], "zero.quantized_weights=True needs"),
+                           (["zero.stage=0", "zero.quantized_weights=true"], "zero.quantized_weights=true needs"),
+                           (["zero.stage=3", "zero.quantized_weights=true", "zero.weight_delta=true"],
+                            "zero.weight_delta=true at zero.stage=3 needs zero.hpz_size > 1"),
                            (["zero.reduce_dtype=fp8"], "zero.reduce_dtype")]:
         assert train.main([f"logging.run_dir={tmp_path}", *args]) == 2
         err = capsys.readouterr().err

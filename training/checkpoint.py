@@ -180,11 +180,14 @@ class Checkpointer:
         """What the run reads (data files, split, weights, seed), recorded in meta.json; set by the trainer."""
 
     # -- state ------------------------------------------------------------------------------------
-    def _tensors(self, for_load: bool, with_optimizer: bool, fp8: bool = True) -> Dict[str, torch.Tensor]:
+    def _tensors(self, for_load: bool, with_optimizer: bool, fp8: bool = True,
+                 reference: bool = True) -> Dict[str, torch.Tensor]:
         """Global-name -> this rank's part of each parameter (and AdamW moment), as the DP strategy holds it:
         DTensors for plain DP, shard views for ZeRO; both under global names and shapes. Under precision=fp8
         also the FP8 scaling state (amax histories and scales, ``fp8.<tensor role>.*``: identical on every
-        TP and DP rank of a stage, so saved once) unless ``fp8`` is false (loading a checkpoint without it)."""
+        TP and DP rank of a stage, so saved once) unless ``fp8`` is false (loading a checkpoint without it).
+        With ZeRO's qWD, the reconstructed weights (``optim.<name>.weight_reference``) unless ``reference`` is
+        false (loading a checkpoint without them)."""
         state: Dict[str, torch.Tensor] = {}
         scaling = self.engine.fp8_scaling
         if scaling is not None and fp8:
@@ -198,6 +201,8 @@ class Checkpointer:
             if with_optimizer:
                 for moment in ("exp_avg", "exp_avg_sq"):
                     state[f"optim.{key}.{moment}"] = entry[moment]
+                if reference and "weight_reference" in entry:
+                    state[f"optim.{key}.weight_reference"] = entry["weight_reference"]
         return state
 
     def _layout(self) -> Dict[str, int]:
@@ -367,7 +372,12 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
         run_fp8 = self.engine.fp8_scaling is not None
-        tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8)
+        # qWD's reconstructed weights, where the checkpoint has them (a qWD run's); otherwise the next gather is exact
+        zero = (meta.get("config") or {}).get("zero") or {}
+        saved_reference = bool(zero.get("weight_delta")) and with_optimizer
+        tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8,
+                                reference=saved_reference)
+        loaded_reference = any(k.endswith(".weight_reference") for k in tensors)
         load_dcp(tensors, path)
         problem, rng = None, None
         try:  # every check before anything is applied, then all ranks agree (a lone failure would hang the rest)
@@ -387,7 +397,7 @@ class Checkpointer:
         problems = [p for p in comm.all_gather_object(problem, self.world) if p]
         if problems:
             raise CheckpointError(problems[0])
-        self.engine.dp.after_load()
+        self.engine.dp.after_load(**({"reference_loaded": True} if loaded_reference else {}))
         if with_optimizer:
             self._restore_counters(meta, rng)
             self._say_precision_change(meta, path)

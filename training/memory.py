@@ -10,8 +10,10 @@ compute / reduce dtype bytes; Phi = the rank's parameters)::
   stage 3   parameters S e_c, gradients S e_r, optimizer 12 S, plus the gathered working set ~ 16/N + working
 
 In fp32 the master copy is the parameter buffer itself, so the optimizer holds
-8 S. ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters (the
-transient quantized send/receive buffers of qwZ and qgZ are not counted). The stage-3 working set is the peak of what is gathered at once (the
+8 S (12 S at stages 1-2 with qwZ, whose post-step gather overwrites the parameter
+shard). ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters, and
+stage-3 qWD this rank's piece of the reconstructed weights, S e_c (the transient
+quantized send/receive buffers of qwZ, qWD and qgZ are not counted). The stage-3 working set is the peak of what is gathered at once (the
 current module's units and those of the ``zero.prefetch_depth`` modules prefetched
 ahead; a unit used by two modules, the embedding tied to the head on one stage,
 stays gathered through backward) plus the full gradients alive (the unit filling
@@ -52,8 +54,10 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": 8 * phi, "working_peak": 0}
     e_c = DTYPE_BYTES[cfg.precision]
     e_r = e_c if z.reduce_dtype == "compute" else 4
-    master = 0 if cfg.precision == "fp32" else 4
     n = layout.dp
+    # fp32: the master is the parameter shard, except where a quantized post-step gather (stages 1-2 with qwZ)
+    # overwrites that shard with what every rank dequantized
+    master = 0 if cfg.precision == "fp32" and not (z.stage < 3 and z.quantized_weights and n > 1) else 4
     out = dict.fromkeys(COMPONENTS, 0)
     peaks, chunk_grads = [0], []
     for chunk in chunks:
@@ -63,6 +67,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
             out["parameters"] += (n * s if z.stage < 3 else s) * e_c
             if z.stage == 3 and z.hpz_size > 1:  # ZeRO++ hpZ's secondary shard
                 out["parameters"] += n * s // z.hpz_size * e_c
+            if z.stage == 3 and z.weight_delta:  # qWD: this rank's piece of the reconstructed weights
+                out["parameters"] += s * e_c
             out["gradients"] += (n * s if z.stage == 1 else s) * e_r
             out["optimizer"] += (master + 8) * s
         chunk_grads.append(sum(n * s * e_r for s in shards))

@@ -66,7 +66,8 @@ from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
 from parallel.zero.units import ModuleUse, UnitSpec, chunk_units
-from parallel.zero.zeropp import ComparedReduce, GatherRoute, QgzReduce, Quant, QuantizedGather, accumulate_error
+from parallel.zero.zeropp import (ComparedReduce, DeltaGather, GatherRoute, QgzReduce, Quant, QuantizedGather,
+                                  accumulate_error)
 
 Ranges = List[Tuple[int, int]]
 
@@ -99,7 +100,8 @@ class Unit:
     """One unit's buffers on this rank; see the module docstring for what each stage keeps."""
 
     def __init__(self, spec: UnitSpec, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int, kind: str,
-                 compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool, hpz: int = 1):
+                 compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool, hpz: int = 1,
+                 quantized_gather: bool = False, weight_delta: bool = False):
         self.name, self.params, self.stage, self.working, self.tied = spec.name, spec.params, stage, working, tied
         self.names = [names[p] for p in self.params]
         dp = mesh.dp
@@ -120,7 +122,10 @@ class Unit:
                 self.full.untyped_storage().resize_(0)  # gathered on demand
             else:
                 self.shard = self.full[self.own]
-                self.master = self.shard if compute == torch.float32 else values[self.own].clone()
+                # a quantized post-step gather overwrites the shard with what every rank dequantized: the master
+                # is a copy of its own, in fp32 too
+                separate = compute != torch.float32 or quantized_gather
+                self.master = values[self.own].clone() if separate else self.shard
         del values
         self.exp_avg = torch.zeros(s, dtype=torch.float32, device=mesh.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
@@ -150,6 +155,11 @@ class Unit:
         self.secondary = torch.zeros(n * s // hpz, dtype=compute, device=mesh.device) if hpz > 1 else None
         self.secondary_valid = False
         self.secondary_unmeasured = False  # built by a validation pass from qwZ-gathered weights (quant_error)
+        # stage-3 qWD: this rank's piece of the weights every rank reconstructed at the last gather from the
+        # primary shards (the secondary shards hold the rest); valid once such a gather happened (or was loaded)
+        # (a checkpoint saved before that holds the exact weights: what the first gather will deliver)
+        self.reference = self.shard.clone() if stage == 3 and weight_delta else None
+        self.reference_valid = False
 
     @property
     def full_bytes(self) -> int:
@@ -179,6 +189,8 @@ class ZeroDataParallel:
         if self.qwz is not None and mesh.dp_intra.size > 1 and mesh.dp_inter.size > 1:
             inter, intra = mesh.gather_groups()
             self.gather_route = GatherRoute.of(mesh.dp, inter, intra, mesh.layout.dp_inter_ranks)
+        self.weight_delta = z.weight_delta
+        self.qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.gradient_bits_intra else None
         self.in_flight = z.reduce_in_flight
         self.sampling = False  # this step measures the quantization error (``quant_error``)
         self._qerr = torch.zeros(4, dtype=torch.float64, device=mesh.device)  # weights err, ref; gradients err, ref
@@ -187,7 +199,7 @@ class ZeroDataParallel:
         def make_unit(spec: UnitSpec) -> Unit:
             tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
             return Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
-                        tied, z.hpz_size)
+                        tied, z.hpz_size, self._quantized_step_gather(), z.weight_delta)
 
         self._build_units(chunks, make_unit)
         self._factor = 1.0
@@ -270,7 +282,8 @@ class ZeroDataParallel:
             unit.grad_full = None  # the buffer travels with its reduce-scatter and is freed on arrival
         out = unit.grad_shard if self.stage == 2 else torch.empty_like(unit.grad_shard)
         if self._quantized_reduce(buf):
-            work = QgzReduce(out, buf, self.mesh.dp_intra, self.mesh.dp_inter, self.qgz, self.cfg.zero.qgz_stages)
+            work = QgzReduce(out, buf, self.mesh.dp_intra, self.mesh.dp_inter, self.qgz, self.cfg.zero.qgz_stages,
+                             self.qgz_intra, self.cfg.zero.gradient_hadamard)
             if self.sampling:  # the unquantized mean, by an extra (counted) reduce-scatter, to compare on arrival
                 exact = torch.empty_like(out)
                 comm.reduce_scatter(exact, buf / self.mesh.dp.size, replace(self.mesh.dp, name="quant_error"))
@@ -350,15 +363,31 @@ class ZeroDataParallel:
     def step(self, lr: float) -> None:
         t = self.cfg.train
         self.optimizer_steps += 1
+        gathers = []
         for u in self.units:
             grad = u.grad_shard.float() * self._factor
             adamw_step(u.master, grad, u.exp_avg, u.exp_avg_sq, u.decay, self.optimizer_steps, lr, t.beta1,
                        t.beta2, t.eps, t.weight_decay)
+            if self._quantized_step_gather():  # the shard is what the gather delivers
+                gathers.append(self._step_gather(u))
+                continue
             if u.shard is not u.master:
                 u.shard.copy_(u.master)
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
             u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
+        for work in gathers:  # all launched; waited for in launch order (two-hop ones advance in that order)
+            work.wait()
+
+    def _quantized_step_gather(self) -> bool:
+        """Stages 1-2 with qwZ: the post-step all-gather of the updated parameters is quantized."""
+        return self.stage < 3 and self.qwz is not None and self.mesh.dp.size > 1
+
+    def _step_gather(self, u: Unit) -> QuantizedGather:
+        """Launch a stage-1/2 unit's quantized post-step gather: of its master shard, or (qWD) of the difference
+        between it and this rank's piece of the weights every rank holds (``full``), which the gather adds to."""
+        values = u.master - u.shard.float() if self.weight_delta else u.master
+        return QuantizedGather(u.full, values, self.mesh.dp, self.qwz, self.gather_route, add=self.weight_delta)
 
     # -- stage 3: gather before use, release after --------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
@@ -368,6 +397,14 @@ class ZeroDataParallel:
         self.working.add(unit.full_bytes)
         if unit.secondary_valid:  # hpZ: inside the node
             unit.gather_work = comm.all_gather(unit.full, unit.secondary, self.hpz, async_op=True)
+        elif self.weight_delta and not unit.reference_valid:  # qWD's first gather: exact
+            unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
+        elif self.weight_delta:  # the secondary shards hold the previous weights, W~: gather W~ + differences
+            delta = unit.master - unit.reference.float()
+            unit.gather_work = DeltaGather(unit.full, unit.secondary, self.hpz, delta, self.mesh.dp, self.qwz,
+                                           self.gather_route)
+            if self.gather_route is not None:
+                self._gathering.append(unit.gather_work)
         elif self.qwz is not None and self.mesh.dp.size > 1:
             unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz, self.gather_route)
             if self.gather_route is not None:
@@ -381,10 +418,13 @@ class ZeroDataParallel:
             if self._gathering:
                 self._advance_gathers(upto=unit.gather_work)
             unit.gather_work.wait()
-            if self.sampling and (isinstance(unit.gather_work, QuantizedGather)
+            if self.sampling and (isinstance(unit.gather_work, (QuantizedGather, DeltaGather))
                                   or self.qwz is not None and unit.secondary_unmeasured):
                 accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)  # own dequantized piece vs shard
                 unit.secondary_unmeasured = False
+            if unit.reference is not None and not unit.secondary_valid:  # qWD: from the primary shards
+                unit.reference.copy_(unit.full[unit.own])
+                unit.reference_valid = True
             unit.gather_work = None
             unit.gathered = True
 
@@ -469,9 +509,13 @@ class ZeroDataParallel:
     # -- checkpoints ------------------------------------------------------------------------------
     def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
         """Per parameter name: its master weights (and AdamW moments) as global tensors of which this rank
-        holds its shard's pieces (views: loading writes straight into the shards)."""
+        holds its shard's pieces (views: loading writes straight into the shards). With qWD and the optimizer,
+        also ``weight_reference``: the weights every rank reconstructed (compute dtype), what the next
+        differences are taken against, so a resume continues bit for bit (``after_load``)."""
         out: Dict[str, Dict[str, torch.Tensor]] = {}
         buffers = ("model", "exp_avg", "exp_avg_sq") if with_optimizer else ("model",)
+        if with_optimizer and self.weight_delta:
+            buffers += ("weight_reference",)
         for u in self.units:
             pieces: Dict[int, list] = {i: [] for i in range(len(u.params))}
             for i, a, b, at in u.layout.owned(self.mesh.dp.rank):
@@ -479,7 +523,8 @@ class ZeroDataParallel:
             for i, (name, p) in enumerate(zip(u.names, u.params)):
                 spec, local = p.spec, tuple(p.shape)
                 offset = spec.tp_offset(local, self.mesh.tp_rank)
-                sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq}
+                sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
+                           "weight_reference": u.reference if self.stage == 3 else u.shard}
                 out[name] = {key: shard_view(spec.global_shape, local, offset,
                                              [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]],
                                              sources[key])
@@ -490,14 +535,37 @@ class ZeroDataParallel:
         self.optimizer_steps = steps
 
     @torch.no_grad()
-    def after_load(self) -> None:
-        """Master shards were loaded: refresh the compute-dtype parameters from them."""
+    def after_load(self, reference_loaded: bool = False) -> None:
+        """Master shards were loaded: refresh the compute-dtype parameters from them.
+
+        qWD: with the reconstructed weights loaded too (``reference_loaded``: a checkpoint of a qWD run), every
+        rank's copy of them is rebuilt exactly (stages 1-2: the full parameters; stage 3: the secondary
+        shards), so the run continues as if never stopped; without them the next gather is exact, as at the
+        start. Stages 1-2 with qwZ (no qWD): the parameters are the quantized gather of the master, as after
+        every step."""
+        if self._quantized_step_gather() and not (self.weight_delta and reference_loaded):
+            for u in self.units:
+                u.shard.copy_(u.master)  # the reference the first differences are taken against: exact
+            if not self.weight_delta:
+                for work in [QuantizedGather(u.full, u.master, self.mesh.dp, self.qwz, self.gather_route)
+                             for u in self.units]:
+                    work.wait()
+                return
         for u in self.units:
-            if u.shard is not u.master:
+            if u.shard is not u.master and not self._quantized_step_gather():
                 u.shard.copy_(u.master)
             if self.stage < 3:
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
             u.secondary_valid = u.secondary_unmeasured = False
+            if u.reference is not None:
+                u.reference_valid = reference_loaded
+                if not reference_loaded:
+                    u.reference.copy_(u.shard)
+                else:  # the secondary shards: this rank's hpZ slice of everyone's references
+                    full = torch.empty_like(u.full)
+                    comm.all_gather(full, u.reference.clone(), self.mesh.dp)
+                    n = u.secondary.numel()
+                    u.secondary.copy_(full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
         """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""
@@ -526,7 +594,7 @@ class ZeroDataParallel:
                 total += st.nbytes()
             return total
 
-        params = sum(size(u.full if self.stage < 3 else u.shard, u.secondary) for u in self.units)
+        params = sum(size(u.full if self.stage < 3 else u.shard, u.secondary, u.reference) for u in self.units)
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
         optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}

@@ -83,6 +83,7 @@ from typing import Dict, List, Optional, Tuple
 
 import torch
 
+from kernels import hadamard as hadamard_blocks
 from kernels.ops import quant_ops
 from kernels.quant import n_blocks, payload_nbytes, qgz_slice_sizes
 from parallel import comm
@@ -96,6 +97,17 @@ class Quant:
     def wire_nbytes(self, numel: int) -> int:
         """Bytes of ``numel`` values on the wire: payload plus one fp32 scale per block."""
         return payload_nbytes(numel, self.bits, self.block) + 4 * n_blocks(numel, self.block)
+
+
+def _padded_shards(buf: torch.Tensor, parts: int, padded: int) -> torch.Tensor:
+    """``buf`` zero-padded to ``parts`` equal shards of ceil(numel / parts), each zero-padded to ``padded``
+    elements (``qgz_slice_sizes``' rule, what ``reorder_and_quantize`` does first), fp32, ``parts`` x ``padded``."""
+    shard = -(-buf.numel() // parts)
+    flat = torch.zeros(parts * shard, dtype=torch.float32, device=buf.device)
+    flat[:buf.numel()] = buf.reshape(-1)
+    out = torch.zeros(parts, padded, dtype=torch.float32, device=buf.device)
+    out[:, :shard] = flat.view(parts, shard)
+    return out
 
 
 def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -132,11 +144,14 @@ class GatherRoute:
 
 class QuantizedGather:
     """All-gather of every rank's quantized shard into ``full`` (dequantized on ``wait``), in one hop over
-    ``group`` or, with a ``route``, two (the second launched by ``advance``)."""
+    ``group`` or, with a ``route``, two (the second launched by ``advance``).
+
+    ``add``: the shards are differences (qWD), and ``wait`` adds them to what ``full`` holds (in fp32, one
+    rounding to ``full``'s dtype) instead of overwriting it."""
 
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group, q: Quant,
-                 route: Optional[GatherRoute] = None):
-        self.full, self.q, self.n, self.g, self.route = full, q, shard.numel(), group.size, route
+                 route: Optional[GatherRoute] = None, add: bool = False):
+        self.full, self.q, self.n, self.g, self.route, self.add = full, q, shard.numel(), group.size, route, add
         self.ops = quant_ops(shard.device)
         payload, scales = self.ops.quantize_blockwise(shard, q.bits, q.block)
         self.payload_bytes = payload.numel()
@@ -168,10 +183,32 @@ class QuantizedGather:
             rows = rows[list(self.route.order)]
         payloads, scales = _unpack(rows, self.payload_bytes)
         nb = scales.shape[1]
+        dtype = torch.float32 if self.add else self.full.dtype
         values = self.ops.dequantize_blockwise(payloads.reshape(-1), scales.reshape(-1), self.q.bits, self.q.block,
-                                               self.g * nb * self.q.block, self.full.dtype)
-        self.full.view(self.g, self.n).copy_(values.view(self.g, nb * self.q.block)[:, :self.n])
+                                               self.g * nb * self.q.block, dtype)
+        values = values.view(self.g, nb * self.q.block)[:, :self.n]
+        full = self.full.view(self.g, self.n)
+        full.copy_(full.float() + values if self.add else values)
         self.recv = None
+
+
+class DeltaGather:
+    """Stage 3's qWD gather with hpZ (SDP4Bit): the node's secondary shards hold the weights every rank
+    reconstructed at the last gather, W~; an all-gather of them inside the node (compute dtype, exact) rebuilds W~
+    in ``full`` while the quantized differences ``delta`` (new master shard minus this rank's piece of W~) cross
+    nodes; ``wait`` adds them: ``full`` = W~ + dequant(delta), identical on every rank. Both start at once."""
+
+    def __init__(self, full: torch.Tensor, secondary: torch.Tensor, hpz: comm.Group, delta: torch.Tensor,
+                 dp: comm.Group, q: Quant, route: Optional[GatherRoute] = None):
+        self.base = comm.all_gather(full, secondary, hpz, async_op=True)
+        self.deltas = QuantizedGather(full, delta, dp, q, route, add=True)
+
+    def advance(self, block: bool = False) -> bool:
+        return self.deltas.advance(block)
+
+    def wait(self) -> None:
+        self.base.wait()
+        self.deltas.wait()
 
 
 def qwz_gather_bytes(shard: int, world: int, q: Quant, x: int = 1, y: int = 1) -> Dict[str, int]:
@@ -193,13 +230,20 @@ def hpz_gather_bytes(full_numel: int, hpz: int, element_size: int) -> int:
 # -- qgZ ------------------------------------------------------------------------------------------
 @dataclass(frozen=True)
 class QgzPlan:
-    """Sizes of one qgZ reduce of ``numel`` elements over X x Y ranks in ``stages`` stages."""
+    """Sizes of one qgZ reduce of ``numel`` elements over X x Y ranks in ``stages`` stages: ``q`` across nodes,
+    ``q_intra`` (default ``q``) inside the node (the same block; only the bits differ)."""
 
     numel: int
     x: int
     y: int
     q: Quant
     stages: int
+    q_intra: Optional[Quant] = None
+
+    @property
+    def first(self) -> Quant:
+        """How a rank quantizes its buffer: for the intra-node hop, or (one rank a node) for the inter-node one."""
+        return (self.q_intra or self.q) if self.x > 1 else self.q
 
     @property
     def shard(self) -> int:
@@ -210,16 +254,17 @@ class QgzPlan:
         """Elements of one partition's sub-slice per stage."""
         return qgz_slice_sizes(self.numel, self.x, self.y, self.q.block, self.stages)[1] // self.stages
 
-    def slot_bytes(self) -> Tuple[int, int]:
-        """(payload bytes, scale bytes) of one slot (a partition's sub-slice of one stage)."""
-        return payload_nbytes(self.sub, self.q.bits, self.q.block), 4 * n_blocks(self.sub, self.q.block)
+    def slot_bytes(self, q: Optional[Quant] = None) -> Tuple[int, int]:
+        """(payload bytes, scale bytes) of one slot (a partition's sub-slice of one stage) at ``q`` (default: the
+        inter-node ``q``)."""
+        q = q or self.q
+        return payload_nbytes(self.sub, q.bits, q.block), 4 * n_blocks(self.sub, q.block)
 
     def bytes_per_rank(self) -> Tuple[float, float]:
         """(intra-node, inter-node) bytes this rank sends, ledger convention."""
-        pb, sb = self.slot_bytes()
-        slot = pb + sb
-        intra = (self.x - 1) / self.x * self.stages * self.x * self.y * slot if self.x > 1 else 0.0
-        inter = (self.y - 1) / self.y * self.stages * self.y * slot if self.y > 1 else 0.0
+        intra = (self.x - 1) / self.x * self.stages * self.x * self.y * sum(self.slot_bytes(self.first)) \
+            if self.x > 1 else 0.0
+        inter = (self.y - 1) / self.y * self.stages * self.y * sum(self.slot_bytes()) if self.y > 1 else 0.0
         return intra, inter
 
 
@@ -232,16 +277,21 @@ class QgzReduce:
     """
 
     def __init__(self, out: torch.Tensor, buf: torch.Tensor, intra: comm.Group, inter: comm.Group, q: Quant,
-                 stages: int):
-        self.out, self.intra, self.inter, self.q = out, intra, inter, q
-        self.plan = QgzPlan(buf.numel(), intra.size, inter.size, q, stages)
+                 stages: int, q_intra: Optional[Quant] = None, hadamard: bool = False):
+        self.out, self.intra, self.inter, self.q, self.hadamard = out, intra, inter, q, hadamard
+        self.plan = QgzPlan(buf.numel(), intra.size, inter.size, q, stages, q_intra)
         if self.plan.shard != out.numel():
             raise ValueError(f"qgZ: a buffer of {buf.numel()} elements over {intra.size}x{inter.size} ranks "
                              f"has shards of {self.plan.shard}, not {out.numel()}")
+        if q_intra is not None and q_intra.block != q.block:
+            raise ValueError(f"qgZ: both hops quantize the same blocks ({q_intra.block} != {q.block})")
         self.ops = quant_ops(buf.device)
         x, y, s = intra.size, inter.size, stages
-        pb, sb = self.plan.slot_bytes()
-        payload, scales = self.ops.reorder_and_quantize(buf, x, y, q.bits, q.block, s)
+        first = self.plan.first
+        pb, sb = self.plan.slot_bytes(first)
+        if hadamard:  # rotate the blocks as they will be quantized: pad by reorder_and_quantize's rule first
+            buf = hadamard_blocks.rotate(_padded_shards(buf, x * y, self.plan.sub * s), q.block)
+        payload, scales = self.ops.reorder_and_quantize(buf, x, y, first.bits, q.block, s)
         # per stage: X rows (one per local destination) of [Y slots' payload | Y slots' scales]
         self.send = torch.cat([payload.view(s, x, y * pb), scales.view(torch.uint8).view(s, x, y * sb)], dim=2)
         self.recv = torch.empty_like(self.send) if x > 1 else self.send
@@ -251,15 +301,15 @@ class QgzReduce:
 
     def _group_of_stage(self, k: int) -> Tuple[torch.Tensor, torch.Tensor]:
         """Step 3 for stage k: the Y slots of this rank's group, summed over the node (payload, scales)."""
-        x, y = self.plan.x, self.plan.y
-        pb, _ = self.plan.slot_bytes()
+        x, y, first = self.plan.x, self.plan.y, self.plan.first
+        pb, _ = self.plan.slot_bytes(first)
         if self.intra_work[k] is not None:
             self.intra_work[k].wait()
         rows = self.recv[k]  # x rows: the copy from each local peer (x = 1: our own data)
         payloads, scales = _unpack(rows, y * pb)
         if x == 1:
             return payloads[0], scales[0]
-        return self.ops.dequant_sum_requant(payloads, scales, self.q.bits, self.q.block, y * self.plan.sub,
+        return self.ops.dequant_sum_requant(payloads, scales, first.bits, self.q.block, y * self.plan.sub,
                                             self.q.bits)
 
     def advance(self, block: bool = False) -> bool:
@@ -285,10 +335,12 @@ class QgzReduce:
         pb, sb = self.plan.slot_bytes()
         total = torch.empty(s * sub, dtype=torch.float32, device=self.out.device)
         if y == 1:  # one node: the intra-node all-to-all was the whole reduction
+            first = self.plan.first
+            pb, _ = self.plan.slot_bytes(first)
             for k in range(s):
                 self.intra_work[k].wait()
                 payloads, scales = _unpack(self.recv[k], pb)
-                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
+                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, first.bits, self.q.block,
                                                                     sub)
         else:
             self.advance(block=True)
@@ -297,6 +349,8 @@ class QgzReduce:
                 payloads, scales = _unpack(recv, pb)
                 total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
                                                                     sub)
+        if self.hadamard:  # the sums are of rotated blocks (the rotation is linear): rotate the total back
+            total = hadamard_blocks.unrotate(total, self.q.block)
         total = total[:self.plan.shard]
         total.div_(x * y)  # step 5: the mean over all P ranks, divided once
         self.out.copy_(total)
