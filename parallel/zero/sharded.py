@@ -31,7 +31,9 @@ the N DP ranks owns shard r of it. What each stage keeps between steps:
    (TP-replicated pieces on TP rank 0 only, tied copies never), summed over the
    whole world (= DP shards x TP x PP).
 4. ``step``: AdamW on the fp32 master shard, then stages 1-2 all-gather the
-   updated parameters (compute dtype); stage 3 refreshes its parameter shard.
+   updated parameters (compute dtype; with qwZ quantized, with qWD the quantized
+   differences to the parameters every rank holds, ``zeropp.py``); stage 3
+   refreshes its parameter shard.
 
 Stage 3 gathers: a forward pre-hook gathers the units a module uses (waiting for
 a prefetch if one is in flight) and prefetches the units of the next

@@ -73,6 +73,28 @@ has absmax a_r on DP rank r, and absmax b_n in node n's re-quantized sum,
 second sum is absent with one node or one rank per node). Inputs that int4 represents
 exactly, sums included, come back exactly (the fp32 mean, bit for bit).
 
+**Beyond ZeRO++: 4-bit communication that converges** (SDP4Bit, SPEC §7), at ZeRO stages 1, 2 and 3:
+
+* qgZ serves the stage-1/2 gradient reduce-scatter too (the same ``QgzReduce``, once per step).
+* Two-level bits (``zero.gradient_bits_intra``): the intra-node hop quantizes at its own bits (SDP4Bit: 8),
+  the node's sum is re-quantized for the inter-node hop at ``zero.gradient_bits`` (4). One rank a node
+  quantizes once, at the inter-node bits; one node, at the intra-node bits.
+* Hadamard smoothing (``zero.gradient_hadamard``, ``kernels/hadamard.py``): the padded buffer's blocks are
+  rotated before the first quantization. The rotation is linear and blocks never straddle a slot, so the
+  node sums and the re-quantization happen on rotated blocks, and the reduced shard is rotated back once,
+  before the division by P. The error bound above then holds for the rotated values; rotating back preserves
+  each block's L2 error.
+* qWD (``zero.weight_delta``): a gather sends the quantized *difference* between the new master shard (fp32)
+  and this rank's piece of the weights every rank reconstructed at the last gather, W~, and every rank adds
+  the dequantized differences to its W~ (fp32 sum, one rounding to the compute dtype; its own piece too, so
+  all ranks hold the same weights). The new W~ differs from the master by one step's quantization error of
+  the difference, never the sum of all steps'. Stages 1-2: W~ is the full parameters every rank holds
+  (``QuantizedGather(add=True)`` after the step). Stage 3 (``DeltaGather``, needs hpZ): the node's secondary
+  shards hold W~, so an exact intra-node gather of them runs beside the cross-node gather of differences;
+  each rank keeps its own piece of W~ (``Unit.reference``) to take the next difference against. A run's
+  first gather, and the first after a resume from a checkpoint without W~, is the exact all-gather of
+  compute-dtype shards.
+
 Byte counts per rank (the ledger's convention, ``parallel/comm.py``), for a unit of
 N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``QgzPlan.bytes_per_rank``.
 """
