@@ -195,6 +195,7 @@ class Fp8DataParallel(ZeroDataParallel):
         self.grad_fmt = FORMATS[f.gradient_format]
         self.working = Working()
         self.qwz = self.qgz = None
+        self.weight_delta = False  # (qWD needs qwZ, which FP8-LM replaces)
         self.hpz = mesh.hpz_group(z.hpz_size) if z.hpz_size > 1 else None
         self.sampling = False
         self.autoscale = AutoScale(f.mu_initial, f.mu_overflow_threshold, f.mu_growth_interval)

@@ -3,32 +3,52 @@
 These functions *define* the semantics; a fast kernel must reproduce them bit
 for bit. Every step is plain fp32 IEEE arithmetic with one rounding each:
 
-Quantization (symmetric, blockwise). Flatten ``x``, read it as fp32 (bf16 and
-fp16 widen exactly; bf16 is never read as fp16), zero-pad to whole blocks of
-``block`` elements. Per block::
+Quantization (symmetric, blockwise, full range). Flatten ``x``, read it as fp32
+(bf16 and fp16 widen exactly; bf16 is never read as fp16), zero-pad to whole blocks
+of ``block`` elements. With m = 2**(bits-1) (128 for int8, 8 for int4), per block::
 
-    absmax = max |x|                              (exact)
-    scale  = absmax / qmax                        fp32 true division, not * (1/qmax)
-    q      = clamp(round(x / scale), -qmax-1, qmax)   fp32 division, round half to even
+    e     = max(x) if max(x) >= -min(x) else min(x)   the extreme (exact; a tie +a/-a -> +a)
+    scale = e / -m                                 fp32 division (the same as e * (-1/m): m is 2**k)
+    q     = clamp(round(x / scale), -m, m - 1)     fp32 division, round half to even
 
-qmax = 127 (int8) or 7 (int4). Dequantization: ``fp32(q) * scale`` (one fp32
-rounding), then one cast to the output dtype.
+The scale is signed: the extreme maps to code -m (exactly, whenever the scale is a
+normal fp32) and all 2**bits codes are in use. Only a value on the other side of zero
+from the extreme with magnitude above (1 - 2**-bits) |e|, i.e. x/scale > m - 1/2, is
+clipped (to code m - 1). Dequantization: ``fp32(q) * scale`` (one fp32 rounding; code 0
+under a negative scale gives -0.0), then one cast to the output dtype.
 
-Special blocks. ``scale == 0`` (an all-zero block, or a block so tiny that
-absmax/qmax underflows) stores q = 0 and dequantizes to exact zeros. A block
-holding any NaN or ±inf stores scale = NaN and q = 0, so *every* value of that
+Special blocks. ``scale == 0`` (an all-zero block, or a block so tiny that e/-m
+underflows) stores scale +0.0 (never -0.0) and q = 0 and dequantizes to exact zeros.
+A block holding any NaN or ±inf stores scale = NaN and q = 0, so *every* value of that
 block dequantizes to NaN: non-finite input is never turned into finite numbers.
 
-Error bound. For a finite block with scale s (as stored) and absmax a, every
-element satisfies, before the cast to the output dtype::
+Error bound. For a finite block with stored scale s and a = |e|, every element
+satisfies, before the cast to the output dtype::
 
-    |dequant(quant(x)) - x| <= s/2 + 2**-22 * a + (qmax+1) * 2**-149
+    |dequant(quant(x)) - x| <= |s|/2 + 2**-23 * a + m * 2**-149      (not clipped)
+    |dequant(quant(x)) - x| <= |s|   + 2**-23 * a + m * 2**-149      (clipped)
 
-The last two terms are fp32 rounding (of x/s and of q*s; the 2**-149 term only
-matters when s is a subnormal fp32, i.e. a < qmax * 2**-126). The cast to a
-bf16/fp16 output adds at most half an ulp of the result in that dtype. One
-exception: a block whose absmax is the fp32 maximum itself (3.4028235e38) may
-dequantize its extreme to ±inf (q*s rounds past the largest float).
+and, with no case split, ``<= max(|s|/2, |x| - (m-1)|s|) + 2**-23 * a + m * 2**-149``
+(a clipped value errs by |x| - (m-1)|s| in exact arithmetic). The fp32 terms, with
+u = 2**-24, t = x/s exactly, y = fl(t) (|y - t| <= u|t|) and d = 2**-149:
+
+* Normal scale (a >= m * 2**-126): dividing by a power of two is exact, so |s| = a/m,
+  |t| <= m and e/s = -m exactly. Not clipped: |q - y| <= 1/2 (y >= -m; the tie
+  y = m - 1/2 rounds to m and is clamped to m - 1), so |q*s - x| = |s| |q - t|
+  <= |s|/2 + u*m*|s| = |s|/2 + u*a. Clipped: q = m - 1 < m - 1/2 < t <= m, so
+  |q*s - x| = |x| - (m-1)|s| <= |s|. The product q*s rounds once, by at most
+  u|q*s| <= u*a (it is 0 or at least |s| in magnitude: never subnormal).
+* Subnormal scale (0 < |s| < 2**-126): x = k*d and s = j*d with integers |k| <= K = a/d
+  and j = round(K/m) >= 1, so m*|s| <= a + m/2 * d. Not clamped: d |k - q*j|
+  <= |s|/2 + u*a. Clamped to m - 1 (clipped): d (|k| - (m-1)j) = |x| - (m-1)|s|
+  <= |s| + m/2 * d. Clamped to -m (j below K/m; the extreme's side): d (|k| - m*j)
+  <= m/2 * d. The product q*s rounds by at most u*m*|s| <= u*a + m/2 * d.
+* Zero scale (a/m rounds to 0): a <= m/2 * d, and the error is |x| <= a.
+
+So m * 2**-149 only matters when the scale is subnormal or zero. With a normal scale every
+dequantized value has magnitude at most m|s| = a, so nothing overflows: a block whose
+extreme is the fp32 maximum gets that extreme back exactly. The cast to a bf16/fp16
+output adds at most half an ulp of the result in that dtype.
 
 Storage. ``payload`` is 1-D uint8 of ``n_blocks * block * bits // 8`` bytes:
 int8 codes are the uint8 view of two's-complement int8; int4 packs element 2i
@@ -52,10 +72,11 @@ FLOAT_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 Copies = Union[torch.Tensor, Sequence[torch.Tensor]]
 
 
-def _qmax(bits: int) -> int:
+def _code_range(bits: int) -> Tuple[int, int]:
+    """(lowest, highest) code: (-2**(bits-1), 2**(bits-1) - 1) for bits 4 or 8."""
     if not isinstance(bits, int) or isinstance(bits, bool) or bits not in (4, 8):
         raise ValueError(f"bits must be 4 or 8, got {bits!r}")
-    return 127 if bits == 8 else 7
+    return -(1 << (bits - 1)), (1 << (bits - 1)) - 1
 
 
 def _check_block(block: int, bits: int) -> None:
@@ -97,7 +118,7 @@ def n_blocks(numel: int, block: int) -> int:
 
 def payload_nbytes(numel: int, bits: int, block: int) -> int:
     """Bytes of the payload for ``numel`` values (padding to whole blocks included)."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     return n_blocks(numel, block) * block * bits // 8
 
@@ -117,7 +138,7 @@ def unpack_int4(payload: torch.Tensor) -> torch.Tensor:
 
 def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any shape, fp32/bf16/fp16; flattened) -> (uint8 payload, fp32 scales)."""
-    qmax = _qmax(bits)
+    lo, hi = _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     numel = x.numel()
@@ -125,12 +146,14 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
     x32 = torch.zeros(nb * block, dtype=torch.float32, device=x.device)
     x32[:numel] = x.reshape(-1).to(torch.float32)
     x32 = x32.view(nb, block)
-    absmax = x32.abs().amax(dim=1) if nb else x32.new_zeros(0)
-    scale = absmax / torch.full_like(absmax, qmax)          # true division, never a reciprocal
+    top, bottom = x32.amax(dim=1), x32.amin(dim=1)
+    extreme = torch.where(top >= -bottom, top, bottom)      # ties: the positive one
+    scale = extreme / torch.full_like(extreme, lo)          # exact unless the result is subnormal
+    scale = torch.where(scale == 0, torch.zeros_like(scale), scale)   # +0.0, never -0.0
     scale = torch.where(torch.isfinite(x32).all(dim=1), scale, torch.full_like(scale, float("nan")))
-    usable = scale > 0                                      # False for 0 and NaN
+    usable = scale.abs() > 0                                # False for 0 and NaN
     divisor = torch.where(usable, scale, torch.ones_like(scale))
-    q = torch.round(x32 / divisor[:, None]).clamp(-qmax - 1, qmax)
+    q = torch.round(x32 / divisor[:, None]).clamp(lo, hi)
     q = torch.where(usable[:, None], q, torch.zeros_like(q)).reshape(-1)
     payload = q.to(torch.int8).view(torch.uint8) if bits == 8 else pack_int4(q)
     return payload, scale
@@ -139,7 +162,7 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
 def dequantize_blockwise(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
                          numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of ``quantize_blockwise``: exactly ``numel`` values of ``dtype`` (1-D)."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
@@ -219,7 +242,7 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     (scales likewise with blocks_per_slot): one equal-split all-to-all over the X local
     ranks per stage.
     """
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     P = x_size * y_size

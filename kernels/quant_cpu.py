@@ -12,16 +12,25 @@ Why each shortcut is exact:
   bf16/fp16 to fp32 is exact, so one ``to(float32)`` (or, for fp32 input, the division's own
   output) is the work buffer; only a ragged last block needs padding, and only then is the
   buffer allocated with a zeroed tail. Later steps run in place on that one buffer.
-* **Non-finite blocks.** ``amax(|x|)`` per block is exact, is NaN for a block holding a NaN
-  (torch's max reductions propagate NaN on CPU, for every dtype, vector or tail lane: the tests
-  check it) and +inf for one holding ±inf and no NaN, so ``isfinite(absmax)`` equals the
-  reference's ``isfinite(x).all(dim=1)``. Such a block's scale is then written as the NaN the
-  reference writes (``float('nan')``, 0x7fc00000), whatever NaN the input carried (torch's CPU
-  amax already returns that canonical NaN; the explicit fill does not rely on it).
+* **Scales.** ``amax`` and ``amin`` per block are exact (two vectorized reductions, no ``|x|``
+  temporary; ``aminmax`` over a dim is far slower on CPU). ``top + bottom >= 0`` decides as
+  ``top >= -bottom`` does (a rounded sum has the sign of the exact one, and x + (-x) is +0), so
+  the ``where`` picks the reference's extreme. ``extreme * (1/lo)`` is ``extreme / lo`` bit for
+  bit: 1/lo = -2**-(bits-1) is exact, so both round the same real number once (subnormal and
+  underflowing results included). ``scale += 0.0`` turns a -0.0 scale into +0.0 and leaves
+  every other value (NaN included) as it is.
+* **Non-finite blocks.** torch's CPU max and min reductions propagate NaN (for every dtype,
+  vector or tail lane: the tests check it), and a block holding ±inf and no NaN has an infinite
+  max or min, hence a non-finite extreme; a finite block's scale is finite. So one sum over the
+  scales finds whether any block is not finite (a sum that overflows only sends finite scales
+  to the exact ``isfinite`` check), as the reference's ``isfinite(x).all(dim=1)``. Such a
+  block's scale is then written as the NaN the reference writes (``float('nan')``,
+  0x7fc00000), whatever NaN the input carried; its row is divided by that NaN and its codes
+  are zeroed before the conversion.
 * **Division, rounding, clamping** are the reference's fp32 ops (true division by the same
-  per-block divisor, ``round`` half to even, clamp to [-qmax-1, qmax]) applied in place: the
-  same IEEE operation gives the same result wherever it writes. A block whose scale is 0 divides
-  by 1 as in the reference: its |x| <= qmax * 2**-150 < 1/2, so every code rounds to (±)0, which
+  per-block divisor, ``round`` half to even, clamp to [-m, m-1] with m = 2**(bits-1)) applied
+  in place: the same IEEE operation gives the same result wherever it writes. A block whose scale is 0 divides
+  by 1 as in the reference: its |x| <= m * 2**-150 < 1/2, so every code rounds to (±)0, which
   converts to the int 0 the reference stores. Only NaN-scale blocks are zeroed explicitly.
 * **Conversion** to int8 happens once, on integral values in [-128, 127] (exact).
 * **int4 packing** in 16-bit lanes: the int8 codes read as little-endian int16 pairs
@@ -45,13 +54,14 @@ Why each shortcut is exact:
 """
 from __future__ import annotations
 
+import math
 import sys
-from typing import Tuple
+from typing import Optional, Tuple
 
 import torch
 
 from kernels.quant import (FLOAT_DTYPES, Copies, _check_block, _check_encoded, _check_x,  # noqa: F401
-                           _copies, _qmax, n_blocks, payload_nbytes, qgz_slice_sizes, qgz_slot,
+                           _code_range, _copies, n_blocks, payload_nbytes, qgz_slice_sizes, qgz_slot,
                            reorder_for_hierarchical)
 
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "reorder_and_quantize", "dequant_sum",
@@ -99,10 +109,23 @@ def _unpack_int4_bytes(payload: torch.Tensor) -> torch.Tensor:
     return torch.stack((((b & 0x0F) ^ 8) - 8, b >> 4), dim=1).view(-1)
 
 
+def _scales(xb: torch.Tensor, lo: int) -> Tuple[torch.Tensor, torch.Tensor, Optional[torch.Tensor]]:
+    """fp32 blocks (rows) -> (the scales as the reference stores them; each row's divisor: its scale, or 1
+    where that is 0; the indices of the NaN-scale rows (None: none), whose codes the caller zeroes)."""
+    top, bottom = xb.amax(dim=1), xb.amin(dim=1)
+    scale = torch.where(top + bottom >= 0, top, bottom).mul_(1.0 / lo)   # the extreme / lo, bit for bit
+    scale.add_(0.0)                                      # -0.0 + 0.0 = +0.0; nothing else changes
+    bad = None
+    if not math.isfinite(scale.sum().item()):           # some scale is not finite (or the sum overflowed)
+        bad = (~torch.isfinite(scale)).nonzero().squeeze(1)
+        scale.index_fill_(0, bad, float("nan"))
+    return scale, scale.masked_fill(scale == 0, 1.0), bad
+
+
 def _encode(x: torch.Tensor, owned: bool, bits: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize a flat contiguous ``x`` of whole blocks. ``owned``: ``x`` is an fp32 scratch buffer
     that may be overwritten."""
-    qmax = 127 if bits == 8 else 7
+    lo, hi = _code_range(bits)
     nb = x.numel() // block
     if nb == 0:
         return (torch.empty(0, dtype=torch.uint8, device=x.device),
@@ -110,20 +133,14 @@ def _encode(x: torch.Tensor, owned: bool, bits: int, block: int) -> Tuple[torch.
     if x.dtype != torch.float32:
         x, owned = x.to(torch.float32), True
     xb = x.view(nb, block)
-    absmax = xb.abs().amax(dim=1)
-    scale = absmax / torch.full_like(absmax, qmax)       # true division, as the reference
-    finite = torch.isfinite(absmax)
-    all_finite = bool(finite.all())
-    if not all_finite:
-        scale.masked_fill_(~finite, float("nan"))
-    divisor = torch.where(scale > 0, scale, torch.ones_like(scale))
+    scale, divisor, bad = _scales(xb, lo)
     if owned:
         work = xb.div_(divisor[:, None])
     else:
         work = torch.div(xb, divisor[:, None])
-    work.round_().clamp_(-qmax - 1, qmax)
-    if not all_finite:
-        work.index_fill_(0, (~finite).nonzero().squeeze(1), 0.0)
+    work.round_().clamp_(lo, hi)
+    if bad is not None:
+        work.index_fill_(0, bad, 0.0)
     codes = work.view(-1).to(torch.int8)
     payload = codes.view(torch.uint8) if bits == 8 else _pack_int4(codes)
     return payload, scale
@@ -155,7 +172,7 @@ def _check_numel(numel) -> None:
 # ----------------------------------------------------------------------------- public API
 def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any shape, fp32/bf16/fp16; flattened) -> (uint8 payload, fp32 scales)."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     with torch.no_grad():
@@ -165,7 +182,7 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
 def dequantize_blockwise(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
                          numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of ``quantize_blockwise``: exactly ``numel`` values of ``dtype`` (1-D)."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     _check_numel(numel)
     if dtype not in FLOAT_DTYPES:
@@ -181,7 +198,7 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
                          stages: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     """qgZ steps 1-2: ``kernels.quant.reorder_and_quantize`` (same layout, same bytes), quantizing
     before moving whole slots."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     P = x_size * y_size
@@ -217,7 +234,7 @@ def _sum(payloads: Copies, scales: Copies, bits: int, block: int, numel: int) ->
     """Checks as ``kernels.quant.dequant_sum`` (in its order); -> the fp32 sum, all n_blocks*block
     values (padding positions included)."""
     p, s = _copies(payloads, scales)
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     _check_numel(numel)
     nb = 0
@@ -247,7 +264,7 @@ def dequant_sum_requant(payloads: Copies, scales: Copies, bits: int, block: int,
     _check_block(block, out_bits)
     with torch.no_grad():
         total = _sum(payloads, scales, bits, block, numel)
-        _qmax(out_bits)
+        _code_range(out_bits)
         _check_block(block, out_bits)
         total[numel:].zero_()                  # the padding the reference drops and re-pads
         return _encode(total, True, out_bits, block)

@@ -25,8 +25,16 @@ in the low nibble of byte i.
 
 Exact fp32 arithmetic (what makes the bits match the reference):
 
-* scale = ``tl.div_rn(absmax, qmax)`` and x/scale = ``tl.div_rn``: IEEE round-to-nearest
+* scale = ``tl.div_rn(extreme, lo)`` and x/scale = ``tl.div_rn``: IEEE round-to-nearest
   division. Plain ``/`` may lower to an approximate fp32 division on GPU.
+* the extreme is picked from ``tl.max`` and ``tl.min`` of the block (exact). Their NaN
+  handling differs between GPU and interpreter and their sign of a zero result is not
+  specified; neither matters: a block with NaN/inf is found by counting (``n_bad``), and
+  the extreme is a signed zero only when the scale is 0, which is stored as +0.0 by a
+  select (no ``x + 0.0`` trick that a signed-zero-unsafe optimizer may drop). Padding
+  lanes read as 0 never change the extreme: a 0 becomes the max (min) only when no
+  value is positive (negative), and then the extreme is the min (max), or the block is
+  all zeros.
 * round half to even is done explicitly (``_round_half_even``: floor, exact fraction,
   parity of the floor); libdevice ``rint`` has no interpreter implementation.
 * every launch passes ``enable_fp_fusion=False`` so ``total + q*s`` is never contracted
@@ -45,7 +53,8 @@ import triton
 import triton.language as tl
 
 from kernels.quant import (FLOAT_DTYPES, Copies, _check_block, _check_encoded, _check_x,  # noqa: F401
-                           _copies, _qmax, n_blocks, payload_nbytes, qgz_slice_sizes, qgz_slot, reorder_for_hierarchical)
+                           _code_range, _copies, n_blocks, payload_nbytes, qgz_slice_sizes, qgz_slot,
+                           reorder_for_hierarchical)
 
 __all__ = ["quantize_blockwise", "dequantize_blockwise", "reorder_and_quantize", "dequant_sum",
            "dequant_sum_requant", "n_blocks", "payload_nbytes", "qgz_slice_sizes", "qgz_slot",
@@ -78,17 +87,19 @@ def _round_half_even(y):
 
 
 @triton.jit
-def _quantize_values(x, QMAX: tl.constexpr):
-    """One block (padding lanes already 0) -> (fp32 integer codes, fp32 scale)."""
-    ax = tl.abs(x)
-    absmax = tl.max(ax, axis=0)
-    n_bad = tl.sum(tl.where(ax <= _FLT_MAX, 0, 1), axis=0)          # NaN and +-inf
-    scale = tl.div_rn(absmax, QMAX * 1.0)                           # true fp32 division
+def _quantize_values(x, LO: tl.constexpr):
+    """One block (padding lanes already 0) -> (fp32 integer codes in [LO, -LO-1], fp32 scale)."""
+    top = tl.max(x, axis=0)
+    bottom = tl.min(x, axis=0)
+    extreme = tl.where(top >= -bottom, top, bottom)                 # ties: the positive one
+    n_bad = tl.sum(tl.where(tl.abs(x) <= _FLT_MAX, 0, 1), axis=0)   # NaN and +-inf
+    scale = tl.div_rn(extreme, LO * 1.0)                            # true fp32 division
+    scale = tl.where(scale == 0, 0.0, scale)                        # +0.0, never -0.0
     scale = tl.where(n_bad > 0, float("nan"), scale)
-    usable = scale > 0                                              # False for 0 and NaN
+    usable = tl.abs(scale) > 0                                      # False for 0 and NaN
     divisor = tl.where(usable, scale, 1.0)
     y = tl.div_rn(x, divisor)
-    y = tl.minimum(tl.maximum(y, -QMAX - 1.0), QMAX * 1.0)          # integer bounds: clamp
+    y = tl.minimum(tl.maximum(y, LO * 1.0), -LO - 1.0)              # integer bounds: clamp
     q = _round_half_even(y)                                         # before round is the same
     q = tl.where(usable, q, 0.0)
     return q, scale
@@ -144,12 +155,12 @@ def _fp32_to_bf16_bits(v):
 # ----------------------------------------------------------------------------- kernels
 @triton.jit
 def _quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, block,
-                     BITS: tl.constexpr, QMAX: tl.constexpr, IN_BF16: tl.constexpr, P2: tl.constexpr):
+                     BITS: tl.constexpr, LO: tl.constexpr, IN_BF16: tl.constexpr, P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, P2)
     idx = b * block + offs
     x = _load_fp32(x_ptr, idx, (offs < block) & (idx < numel), IN_BF16)
-    q, scale = _quantize_values(x, QMAX)
+    q, scale = _quantize_values(x, LO)
     _store_codes(payload_ptr, b, block, q, BITS, P2)
     tl.store(scales_ptr + b, scale)
 
@@ -171,7 +182,7 @@ def _dequantize_kernel(payload_ptr, scales_ptr, out_ptr, numel, block,
 @triton.jit
 def _reorder_quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, shard, sub, block,
                              blocks_per_slot, n_x, n_y, stages,
-                             BITS: tl.constexpr, QMAX: tl.constexpr, IN_BF16: tl.constexpr,
+                             BITS: tl.constexpr, LO: tl.constexpr, IN_BF16: tl.constexpr,
                              P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     # Output block b -> slot; invert qgz_slot: slot = s*P + (p % X)*Y + p // X.
@@ -187,7 +198,7 @@ def _reorder_quantize_kernel(x_ptr, payload_ptr, scales_ptr, numel, shard, sub, 
     src = part * shard + pos
     valid = (offs < block) & (pos < shard) & (src < numel)
     x = _load_fp32(x_ptr, src, valid, IN_BF16)
-    q, scale = _quantize_values(x, QMAX)
+    q, scale = _quantize_values(x, LO)
     _store_codes(payload_ptr, b, block, q, BITS, P2)
     tl.store(scales_ptr + b, scale)
 
@@ -219,14 +230,14 @@ def _dequant_sum_kernel(payloads_ptr, scales_ptr, out_ptr, k, payload_stride, sc
 @triton.jit
 def _dequant_sum_requant_kernel(payloads_ptr, scales_ptr, out_payload_ptr, out_scales_ptr, k,
                                 payload_stride, scale_stride, numel, block,
-                                BITS: tl.constexpr, OUT_BITS: tl.constexpr, OUT_QMAX: tl.constexpr,
+                                BITS: tl.constexpr, OUT_BITS: tl.constexpr, OUT_LO: tl.constexpr,
                                 P2: tl.constexpr):
     b = tl.program_id(0).to(tl.int64)
     offs = tl.arange(0, P2)
     idx = b * block + offs
     total = _sum_copies(payloads_ptr, scales_ptr, k, payload_stride, scale_stride, b, block, BITS, P2)
     total = tl.where((offs < block) & (idx < numel), total, 0.0)   # the reference re-pads with 0
-    q, scale = _quantize_values(total, OUT_QMAX)
+    q, scale = _quantize_values(total, OUT_LO)
     _store_codes(out_payload_ptr, b, block, q, OUT_BITS, P2)
     tl.store(out_scales_ptr + b, scale)
 
@@ -244,7 +255,7 @@ def _as_kernel_input(flat: torch.Tensor) -> torch.Tensor:
 
 def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Tensor, torch.Tensor]:
     """Quantize ``x`` (any shape, fp32/bf16/fp16; flattened) -> (uint8 payload, fp32 scales)."""
-    qmax = _qmax(bits)
+    lo, _ = _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     flat = x.reshape(-1).contiguous()
@@ -253,14 +264,14 @@ def quantize_blockwise(x: torch.Tensor, bits: int, block: int) -> Tuple[torch.Te
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
         _quantize_kernel[(nb,)](_as_kernel_input(flat), payload, scales, flat.numel(), block, BITS=bits,
-                                QMAX=qmax, IN_BF16=x.dtype == torch.bfloat16, **_launch_opts(block))
+                                LO=lo, IN_BF16=x.dtype == torch.bfloat16, **_launch_opts(block))
     return payload, scales
 
 
 def dequantize_blockwise(payload: torch.Tensor, scales: torch.Tensor, bits: int, block: int,
                          numel: int, dtype: torch.dtype = torch.float32) -> torch.Tensor:
     """Inverse of ``quantize_blockwise``: exactly ``numel`` values of ``dtype`` (1-D)."""
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     if not isinstance(numel, int) or isinstance(numel, bool) or numel < 0:
         raise ValueError(f"numel must be a non-negative int, got {numel!r}")
@@ -281,7 +292,7 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     """qgZ steps 1-2: pad, reorder (slot ``qgz_slot(i, stages, x_size, y_size)``), quantize;
     layout as ``kernels.quant.reorder_and_quantize``. One fused kernel: each output block is
     read from its source position, no reordered copy of ``x`` is made."""
-    qmax = _qmax(bits)
+    lo, _ = _code_range(bits)
     _check_block(block, bits)
     _check_x(x)
     flat = x.reshape(-1).contiguous()
@@ -292,14 +303,14 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     scales = torch.empty(nb, dtype=torch.float32, device=x.device)
     if nb:
         _reorder_quantize_kernel[(nb,)](_as_kernel_input(flat), payload, scales, flat.numel(), shard, sub,
-                                        block, sub // block, x_size, y_size, stages, BITS=bits, QMAX=qmax,
+                                        block, sub // block, x_size, y_size, stages, BITS=bits, LO=lo,
                                         IN_BF16=x.dtype == torch.bfloat16, **_launch_opts(block))
     return payload, scales
 
 
 def _stacked(payloads: Copies, scales: Copies, bits: int, block: int, numel: int):
     p, s = _copies(payloads, scales)                 # the reference's order of checks
-    _qmax(bits)
+    _code_range(bits)
     _check_block(block, bits)
     nb = _check_encoded(p[0], s[0], bits, block, numel)
     return p.contiguous(), s.contiguous(), nb
@@ -321,11 +332,11 @@ def dequant_sum_requant(payloads: Copies, scales: Copies, bits: int, block: int,
     """qgZ step 3, fused: ``quantize_blockwise(dequant_sum(...), out_bits, block)``."""
     _check_block(block, out_bits)
     p, s, nb = _stacked(payloads, scales, bits, block, numel)
-    out_qmax = _qmax(out_bits)
+    out_lo, _ = _code_range(out_bits)
     payload = torch.empty(nb * block * out_bits // 8, dtype=torch.uint8, device=p.device)
     out_scales = torch.empty(nb, dtype=torch.float32, device=p.device)
     if nb:
         _dequant_sum_requant_kernel[(nb,)](p, s, payload, out_scales, p.shape[0], p.stride(0), s.stride(0),
-                                           numel, block, BITS=bits, OUT_BITS=out_bits, OUT_QMAX=out_qmax,
+                                           numel, block, BITS=bits, OUT_BITS=out_bits, OUT_LO=out_lo,
                                            **_launch_opts(block))
     return payload, out_scales

@@ -4,7 +4,8 @@ Every comparison is on bits: payload bytes, scale bit patterns (as int32, so NaN
 the NaN written must be the reference's), dequantized values' bit patterns (NaN included), dtypes
 and shapes. One differing bit anywhere fails the test. Inputs are random with the special blocks
 the definition singles out: all-zero, NaN (with odd NaN bit patterns), ±inf, tiny values whose
-scale is subnormal or underflows to 0, fp16's largest value; ragged last blocks and empty input.
+scale is subnormal or underflows to ±0 (stored +0), fp16's largest value, ties +a/-a of the extreme,
+values clipped beside it; ragged last blocks and empty input.
 """
 import itertools
 
@@ -19,7 +20,7 @@ DTYPES = [torch.float32, torch.bfloat16, torch.float16]
 INT_VIEW = {torch.float32: torch.int32, torch.bfloat16: torch.int16, torch.float16: torch.int16,
             torch.uint8: torch.uint8, torch.int8: torch.int8, torch.int16: torch.int16}
 KINDS = ["random", "zero", "nan", "+inf", "-inf", "subnormal_scale", "zero_scale", "fp16_max", "nan_inf",
-         "one_big"]
+         "one_big", "tie", "clipped"]
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
@@ -65,15 +66,22 @@ def make_input(numel: int, block: int, dtype: torch.dtype, seed: int) -> torch.T
     put("-inf", pos, -float("inf"))
     put("nan_inf", pos, float("inf"))
     put("nan_inf", pos2, float("nan"))
-    r = rows["subnormal_scale"]                    # absmax / qmax below 2**-126
+    r = rows["subnormal_scale"]                    # extreme / 2**(bits-1) below 2**-126
     x[r] = torch.randn(len(r), block, generator=g) * 1e-38
-    r = rows["zero_scale"]                         # absmax / qmax underflows to 0
+    r = rows["zero_scale"]                         # extreme / 2**(bits-1) underflows to +0 or -0
     x[r] = torch.randn(len(r), block, generator=g) * 1e-44
     r = rows["fp16_max"]
     x[r] = torch.randint(-1, 2, (len(r), block), generator=g).float() * 65504.0
     put("fp16_max", pos, 3e4)
     r = rows["one_big"]                            # one large value: most codes round to 0 or +-1
     x[r, pos[r]] = x[r].abs().amax(dim=1) * 1000 + 1
+    r = rows["tie"]                                # +a and -a are the extremes: +a wins
+    a = x[r].abs().amax(dim=1) * 2
+    x[r, pos[r]], x[r, pos2[r]] = a, -a
+    r = rows["clipped"]                            # extreme -+a, values of the other sign above 0.99a
+    a = x[r].abs().amax(dim=1, keepdim=True) * torch.where(torch.rand(len(r), 1, generator=g) < 0.5, 1, -1)
+    x[r] = a * (0.99 + 0.01 * torch.rand(len(r), block, generator=g))
+    x[r, pos[r]] = -a[:, 0] * 1.0001
     return x.reshape(-1)[:numel].to(dtype)
 
 
@@ -129,7 +137,18 @@ def test_shapes_strides_and_small_scale_extremes():
         y = torch.randn(256, generator=g) * 2.0 ** e
         check_quantize(y, 8, 128)
         check_quantize(y, 4, 128)
-    check_quantize(torch.full((64,), torch.finfo(torch.float32).max), 8, 32)   # the documented fp32-max overflow
+    check_quantize(torch.full((64,), torch.finfo(torch.float32).max), 8, 32)   # fp32 max: comes back exactly
+
+
+@pytest.mark.parametrize("bits_", [4, 8])
+def test_finite_scales_whose_sum_overflows(bits_):
+    """Blocks of fp32's largest values: their scales are finite, but their sum overflows; with a NaN block
+    among them, and without."""
+    top = torch.finfo(torch.float32).max
+    x = torch.full((300, 4), top) * torch.tensor([1.0, -1.0, 0.5, -0.25])
+    check_quantize(x, bits_, 4)
+    x[7, 2] = float("nan")
+    check_quantize(x, bits_, 4)
 
 
 def test_int4_nibbles_of_every_byte():

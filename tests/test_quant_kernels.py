@@ -16,26 +16,36 @@ from kernels.quant import (dequant_sum, dequant_sum_requant, dequantize_blockwis
                            reorder_and_quantize, reorder_for_hierarchical)
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-QMAX = {8: 127, 4: 7}
+LO = {8: -128, 4: -8}          # the lowest code, -2**(bits-1); the highest is -LO - 1
+D = 2.0 ** -149                # the smallest fp32 subnormal
 
 
 # ----------------------------------------------------------------------------- references
-def ref_quant(x: torch.Tensor, bits: int, block: int):
-    """-> (codes int64 [n_blocks*block], scales float32 [n_blocks]) in float64 math."""
-    qmax = QMAX[bits]
+def padded_blocks(x: torch.Tensor, block: int) -> np.ndarray:
+    """x as float64 blocks [n_blocks, block], zero-padded."""
     v = x.detach().reshape(-1).to(torch.float64).numpy()
     nb = -(-v.size // block)
     blocks = np.zeros(nb * block)
     blocks[:v.size] = v
-    blocks = blocks.reshape(nb, block)
+    return blocks.reshape(nb, block)
+
+
+def ref_quant(x: torch.Tensor, bits: int, block: int):
+    """-> (codes int64 [n_blocks*block], scales float32 [n_blocks]) in float64 math."""
+    lo = LO[bits]
+    blocks = padded_blocks(x, block)
     finite = np.isfinite(blocks).all(axis=1)
+    fin = np.where(np.isfinite(blocks), blocks, 0.0)
+    top, bottom = fin.max(axis=1, initial=-np.inf), fin.min(axis=1, initial=np.inf)
+    extreme = np.where(top >= -bottom, top, bottom)
     with np.errstate(invalid="ignore", divide="ignore", over="ignore"):
-        absmax = np.where(finite, np.abs(np.where(np.isfinite(blocks), blocks, 0)).max(axis=1, initial=0.0), np.nan)
-        scale = (absmax / qmax).astype(np.float32)
+        scale = (extreme / lo).astype(np.float32)            # exact in float64 (a power of two), rounded once
+        scale = np.where(scale == 0, np.float32(0.0), scale)  # +0.0
+        scale = np.where(finite, scale, np.float32(np.nan))
         s64 = scale.astype(np.float64)
-        usable = s64 > 0
+        usable = np.abs(s64) > 0
         quot = (blocks / np.where(usable, s64, 1.0)[:, None]).astype(np.float32).astype(np.float64)
-        q = np.clip(np.rint(quot), -qmax - 1, qmax)
+        q = np.clip(np.rint(quot), lo, -lo - 1)
     q = np.where(usable[:, None], q, 0).astype(np.int64)
     return q.reshape(-1), scale
 
@@ -57,7 +67,10 @@ def decode(payload: torch.Tensor, bits: int) -> np.ndarray:
 
 
 def same(a: np.ndarray, b: np.ndarray) -> bool:
-    return np.array_equal(np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64), equal_nan=True)
+    """Equal values, NaN where NaN, and the same sign of every zero."""
+    a, b = np.asarray(a, dtype=np.float64), np.asarray(b, dtype=np.float64)
+    return np.array_equal(a, b, equal_nan=True) and np.array_equal(np.signbit(a) | np.isnan(a),
+                                                                   np.signbit(b) | np.isnan(b))
 
 
 def check_exact(x, bits, block):
@@ -67,7 +80,7 @@ def check_exact(x, bits, block):
     assert payload.dtype == torch.uint8 and payload.dim() == 1 and payload.numel() == q.size * bits // 8
     assert scales.dtype == torch.float32 and scales.numel() == s.size
     assert np.array_equal(decode(payload, bits), q)
-    assert same(scales.numpy(), s)
+    assert np.array_equal(scales.numpy().view(np.int32), s.view(np.int32))     # NaN bits and zero signs too
     out = dequantize_blockwise(payload, scales, bits, block, x.numel(), x.dtype)
     assert out.dtype == x.dtype and out.shape == (x.numel(),)
     expect = torch.from_numpy(ref_dequant(q, s, block, x.numel())).to(x.dtype)
@@ -75,14 +88,32 @@ def check_exact(x, bits, block):
     return out, s
 
 
-def bound(x64: np.ndarray, scales: np.ndarray, bits: int, block: int, dtype) -> np.ndarray:
-    """Documented per-element bound: s/2 + 2^-22 a + (qmax+1) 2^-149 + half an ulp of dtype."""
-    s = np.repeat(scales.astype(np.float64), block)[:x64.size]
-    a = s * QMAX[bits]
-    fin = torch.finfo(dtype)
-    big = float(np.nextafter(np.float32(fin.max), np.float32(0))) if dtype == torch.float32 else fin.max  # see fp32_max test
-    half_ulp = 0.5 * fin.eps * (np.abs(x64) + s) + 0.5 * fin.smallest_normal * fin.eps
-    return s / 2 + 2.0 ** -22 * a + (QMAX[bits] + 1) * 2.0 ** -149 + half_ulp
+def check_bound(x: torch.Tensor, out: torch.Tensor, scales: np.ndarray, bits: int, block: int) -> np.ndarray:
+    """quant.py's documented bound, per element of the finite blocks, before the cast to x's dtype plus half
+    an ulp of it: |s|/2 (|s| when clipped) + 2**-23 a + m 2**-149, and max(|s|/2, |x| - (m-1)|s|) + the
+    same terms. A clipped element is one whose fp32 x/s exceeds m - 1/2; it lies on the other side of zero
+    from its block's extreme. Returns err / (|s|/2) of the elements not clipped in blocks of non-zero scale."""
+    m, n = -LO[bits], x.numel()
+    x64 = x.double().numpy()
+    err = np.abs(out.double().numpy() - x64)
+    signed = np.repeat(scales.astype(np.float64), block)[:n]
+    fin = np.isfinite(signed)
+    x64, err, signed = x64[fin], err[fin], signed[fin]
+    s = np.abs(signed)
+    a = np.repeat(np.abs(padded_blocks(x, block)).max(axis=1), block)[:n][fin]
+    with np.errstate(invalid="ignore", divide="ignore"):
+        quot = np.where(s > 0, (x64 / np.where(s > 0, signed, 1.0)).astype(np.float32), 0.0)
+    clipped = quot > m - 0.5
+    assert (x64[clipped] * signed[clipped] > 0).all()        # the scale's sign is the opposite of the extreme's
+    rounding = 2.0 ** -23 * a + m * D
+    split = np.where(clipped, s, s / 2) + rounding
+    joint = np.maximum(s / 2, np.abs(x64) - (m - 1) * s) + rounding
+    if x.dtype != torch.float32:
+        fi = torch.finfo(x.dtype)
+        cast = 0.5 * fi.eps * (np.abs(x64) + split) + 0.5 * fi.smallest_normal * fi.eps   # |out| <= |x| + err
+        split, joint = split + cast, joint + cast
+    assert (err <= split).all() and (err <= joint).all()
+    return err[~clipped & (s > 0)] / (s[~clipped & (s > 0)] / 2)
 
 
 # ----------------------------------------------------------------------------- hand examples
@@ -91,25 +122,35 @@ def test_int4_packing_by_hand():
     assert pack_int4(torch.tensor([1, -2, 7, -8])).tolist() == [0xE1, 0x87]
     out = dequantize_blockwise(torch.tensor([0xE1, 0x87], dtype=torch.uint8), torch.tensor([1.0]), 4, 4, 4)
     assert out.tolist() == [1.0, -2.0, 7.0, -8.0]
-    # absmax 7 -> scale exactly 1; -7 is nibble 9
-    payload, scales = quantize_blockwise(torch.tensor([1.0, -2.0, 7.0, -7.0]), 4, 4)
-    assert payload.tolist() == [0xE1, 0x97] and scales.tolist() == [1.0]
+    # extreme -8 -> scale exactly 1: every code comes back as it went in
+    payload, scales = quantize_blockwise(torch.tensor([1.0, -2.0, 7.0, -8.0]), 4, 4)
+    assert payload.tolist() == [0xE1, 0x87] and scales.tolist() == [1.0]
+    # tie 8 / -8 -> the positive extreme, scale -1: 8 is code -8, -8 is clipped to code 7 (nibble 7)
+    payload, scales = quantize_blockwise(torch.tensor([8.0, -2.0, 1.0, -8.0]), 4, 4)
+    assert scales.tolist() == [-1.0] and payload.tolist() == [0x28, 0x7F]
+    assert dequantize_blockwise(payload, scales, 4, 4, 4).tolist() == [8.0, -2.0, 1.0, -7.0]
     # odd count: 3 values, block 4 -> 2 bytes, padding nibble is 0
-    payload, scales = quantize_blockwise(torch.tensor([-14.0, 2.0, 4.0]), 4, 4)
-    assert scales.tolist() == [2.0] and payload.tolist() == [0x19, 0x02]
-    assert dequantize_blockwise(payload, scales, 4, 4, 3).tolist() == [-14.0, 2.0, 4.0]
+    payload, scales = quantize_blockwise(torch.tensor([-16.0, 2.0, 4.0]), 4, 4)
+    assert scales.tolist() == [2.0] and payload.tolist() == [0x18, 0x02]
+    assert dequantize_blockwise(payload, scales, 4, 4, 3).tolist() == [-16.0, 2.0, 4.0]
 
 
 def test_int8_and_half_steps_by_hand():
-    payload, scales = quantize_blockwise(torch.tensor([127.0, -1.0, 0.0, -127.0]), 8, 4)
-    assert payload.tolist() == [0x7F, 0xFF, 0x00, 0x81] and scales.tolist() == [1.0]
-    # scale 1: half steps round to even
-    x = torch.tensor([127.0, 0.5, 1.5, 2.5, -0.5, -2.5, 126.5, -125.5])
+    payload, scales = quantize_blockwise(torch.tensor([-128.0, 1.0, 0.0, 127.0]), 8, 4)
+    assert payload.tolist() == [0x80, 0x01, 0x00, 0x7F] and scales.tolist() == [1.0]
+    # positive extreme: scale -1, the same codes for the negated values; -128 clipped to 127, and code 0
+    # times a negative scale is -0.0
+    payload, scales = quantize_blockwise(torch.tensor([128.0, -1.0, 0.0, -128.0]), 8, 4)
+    assert payload.tolist() == [0x80, 0x01, 0x00, 0x7F] and scales.tolist() == [-1.0]
+    out = dequantize_blockwise(payload, scales, 8, 4, 4)
+    assert out.tolist() == [128.0, -1.0, 0.0, -127.0] and torch.signbit(out[2])
+    # scale 1: half steps round to even; the top tie 127.5 rounds to 128 and is clamped to 127
+    x = torch.tensor([-128.0, 0.5, 1.5, 2.5, -0.5, -2.5, 127.5, -127.5])
     payload, _ = quantize_blockwise(x, 8, 8)
-    assert payload.view(torch.int8).tolist() == [127, 0, 2, 2, 0, -2, 126, -126]
-    # int4, scale 2 (absmax 14): x/scale = 0.5, 1.5, 2.5, 3.5 -> 0, 2, 2, 4
-    payload, scales = quantize_blockwise(torch.tensor([14.0, 1.0, 3.0, 5.0, 7.0, -7.0]), 4, 6)
-    assert scales.tolist() == [2.0] and decode(payload, 4).tolist() == [7, 0, 2, 2, 4, -4]
+    assert payload.view(torch.int8).tolist() == [-128, 0, 2, 2, 0, -2, 127, -128]
+    # int4, scale 2 (extreme -16): x/scale = 0.5, 1.5, 2.5, 3.5, -3.5 -> 0, 2, 2, 4, -4
+    payload, scales = quantize_blockwise(torch.tensor([-16.0, 1.0, 3.0, 5.0, 7.0, -7.0]), 4, 6)
+    assert scales.tolist() == [2.0] and decode(payload, 4).tolist() == [-8, 0, 2, 2, 4, -4]
 
 
 # ----------------------------------------------------------------------------- random data
@@ -120,97 +161,120 @@ def test_random_exact_and_bound(dtype, bits, numel, block):
     g = torch.Generator().manual_seed(numel * 31 + block + bits)
     x = (torch.randn(numel, generator=g) * torch.logspace(-3, 3, numel)[torch.randperm(numel, generator=g)]).to(dtype)
     out, s = check_exact(x, bits, block)
-    x64 = x.double().numpy()
-    err = np.abs(out.double().numpy() - x64)
-    assert (err <= bound(x64, s, bits, block, dtype)).all()
-    # the bound is tight: some element loses close to half a step of its block
-    half = np.repeat(s.astype(np.float64), block)[:numel] / 2
-    assert numel < 30 or (err / half).max() > 0.8
+    half_steps = check_bound(x, out, s, bits, block)
+    assert numel < 30 or half_steps.max() > 0.8        # the bound is tight: some element loses close to |s|/2
 
 
 def test_int8_shape_agnostic_and_bf16_not_read_as_fp16():
     x = torch.tensor([[1e10, -1.5e10, -3e30], [2e30, 2.5e-30, 2e-30]], dtype=torch.bfloat16)  # outside fp16's range
     out, s = check_exact(x, 8, 2)
-    assert s[1] == np.float32(np.float64(x[0, 2].float()) * -1 / 127)
+    assert s[1] == np.float32(np.float64(x[0, 2].float()) / -128)      # the extreme -3e30 is the negative one
     assert torch.isfinite(out).all() and torch.allclose(out.float(), x.reshape(-1).float(), rtol=0.02, atol=0)
 
 
 # ----------------------------------------------------------------------------- adversarial data
+def clip_edge_blocks(bits: int, e: float) -> torch.Tensor:
+    """Two blocks of 8 with extreme e and values of the other sign around the clip point (1 - 2**-bits)|e|."""
+    m = -LO[bits]
+    edge = torch.tensor(-e * (m - 0.5) / m, dtype=torch.float32)
+    beyond = torch.nextafter(edge, torch.tensor(-e)).item()
+    within = torch.nextafter(edge, torch.tensor(e)).item()
+    edge = edge.item()
+    return torch.tensor([e, edge, beyond, within, edge * 2 / 3, -beyond, -edge, -e * (m - 1) / m]
+                        + [e, -beyond] + [-e * 0.999] * 6)
+
+
 @pytest.mark.parametrize("dtype", DTYPES)
 @pytest.mark.parametrize("bits", [8, 4])
 def test_adversarial(dtype, bits):
-    qmax, block = QMAX[bits], 8
+    m, block = -LO[bits], 8
     g = torch.Generator().manual_seed(bits)
     fin = torch.finfo(dtype)
-    big = float(np.nextafter(np.float32(fin.max), np.float32(0))) if dtype == torch.float32 else fin.max  # see fp32_max test
+    big = fin.max
     cases = [
-        (torch.arange(-8, 8) + 0.5) * (2.0 ** -3),                           # half steps of scale 1/8 (absmax 127/8 needs int8)
-        torch.cat([torch.randn(7, generator=g), torch.tensor([float(fin.max) / 2])]).repeat(3),  # huge outlier per block
+        (torch.arange(-8, 8) + 0.5) * (2.0 ** -3),                           # half steps of scale 1/8 (needs int8)
+        torch.cat([torch.randn(7, generator=g), torch.tensor([big / 2])]).repeat(3),  # huge outlier per block
         torch.randn(24, generator=g) * fin.smallest_normal,                   # denormals of the input dtype
         torch.full((24,), fin.smallest_normal * fin.eps),                     # the smallest denormal everywhere
-        torch.tensor([0.0] * 8 + [-0.0] * 8 + [3.0] * 8),                     # zero blocks, a constant block
-        torch.tensor([big, -big, fin.tiny, 0.0] * 2),
-    ]
+        torch.tensor([0.0] * 8 + [-0.0] * 8 + [3.0] * 8 + [-3.0] * 8),        # zero blocks, constant blocks
+        torch.tensor([big, -big, fin.tiny, 0.0] * 2 + [-big, big / 2, 0.0, -fin.tiny] * 2),   # the dtype's maximum
+        torch.tensor([3.0, -3.0, 1.0, -1.0, 2.9, -2.9, 0.0, 0.5] * 2),         # ties +a / -a: the positive wins
+        torch.tensor([-3.0, 3.0, 0.25, -2.99, 2.999, 0.0, 1.0, -1.0]),
+        clip_edge_blocks(bits, 1.0), clip_edge_blocks(bits, -1.0),            # both signs of the extreme
+        clip_edge_blocks(bits, 3e-3), clip_edge_blocks(bits, -6e4),
+        torch.randn(48, generator=g) * 2.0 ** -126,                           # subnormal scales (fp32)
+        torch.tensor([1.5 * m - 1, -(1.5 * m - 1), 3, -1, 0, 5, -5, 1] * 2)  # scale -+D: clamped at both ends
+        * torch.tensor([D, -D]).repeat_interleave(8),
+        torch.tensor([m / 2 * D, -m / 2 * D, D, 0, 0, 0, 0, 0, m / 2 * D + D, 0, 0, 0, 0, 0, 0, -D]),  # e/-m
+    ]                                                                         # underflows; rounds up to -D
     for x in cases:
         x = x.to(dtype)
         out, s = check_exact(x, bits, block)
-        x64 = x.double().numpy()
         assert np.isfinite(out.double().numpy()).all()
-        assert (np.abs(out.double().numpy() - x64) <= bound(x64, s, bits, block, dtype)).all()
+        check_bound(x, out, s, bits, block)
     for x in [torch.tensor([3.0, -2.0, 1e-3]), torch.tensor([fin.tiny]), torch.tensor([-big])]:  # block of 1
-        out, s = check_exact(x.to(dtype), bits, 2 if bits == 4 else 1)
-        assert (np.abs(out.double().numpy() - x.to(dtype).double().numpy())
-                <= bound(x.to(dtype).double().numpy(), s, bits, 2 if bits == 4 else 1, dtype)).all()
+        b = 2 if bits == 4 else 1
+        out, s = check_exact(x.to(dtype), bits, b)
+        check_bound(x.to(dtype), out, s, bits, b)
 
 
 def test_zero_block_is_exact_zero_and_padding_stays_out():
     x = torch.tensor([0.0, 0.0, 0.0, 0.0, 5.0, -5.0, 0.0])
     payload, scales = quantize_blockwise(x, 4, 4)
-    assert scales.tolist() == [0.0, np.float32(5) / np.float32(7)] and payload.numel() == payload_nbytes(7, 4, 4) == 4
-    assert decode(payload, 4).tolist() == [0, 0, 0, 0, 7, -7, 0, 0]
+    assert scales.tolist() == [0.0, -0.625] and payload.numel() == payload_nbytes(7, 4, 4) == 4
+    assert not torch.signbit(scales[0])                      # +0.0
+    assert decode(payload, 4).tolist() == [0, 0, 0, 0, -8, 7, 0, 0]
     out = dequantize_blockwise(payload, scales, 4, 4, 7)
-    assert out.shape == (7,) and out[:4].tolist() == [0.0] * 4 and not torch.isnan(out).any()
-    # fp32 underflow: absmax/127 rounds to 0 -> q = 0, no NaN, error <= absmax
-    tiny = torch.tensor([1.4e-45, -1.4e-45, 0.0, 2.8e-45])
-    payload, scales = quantize_blockwise(tiny, 8, 4)
-    assert scales.tolist() == [0.0] and payload.tolist() == [0, 0, 0, 0]
-    assert dequantize_blockwise(payload, scales, 8, 4, 4).tolist() == [0.0] * 4
+    assert out.shape == (7,) and out[:4].tolist() == [0.0] * 4 and not torch.signbit(out[:4]).any()
+    assert not torch.isnan(out).any()
+    # fp32 underflow: extreme/-128 rounds to -0 (positive extreme) or +0: stored +0.0, q = 0, exact zeros
+    for tiny in (torch.tensor([1.4e-45, -1.4e-45, 0.0, 2.8e-45]), torch.tensor([-1.4e-45, 0.0, -0.0, -2.8e-45]),
+                 torch.tensor([-0.0, -0.0, -0.0, -0.0])):
+        payload, scales = quantize_blockwise(tiny, 8, 4)
+        assert scales.tolist() == [0.0] and not torch.signbit(scales[0]) and payload.tolist() == [0, 0, 0, 0]
+        out = dequantize_blockwise(payload, scales, 8, 4, 4)
+        assert out.tolist() == [0.0] * 4 and not torch.signbit(out).any()
     empty_p, empty_s = quantize_blockwise(torch.zeros(0), 8, 4)
     assert empty_p.numel() == 0 and dequantize_blockwise(empty_p, empty_s, 8, 4, 0).numel() == 0
 
 
-@pytest.mark.parametrize("bits,k,code", [(8, 190, -128), (4, 10, -8)])
-def test_subnormal_scale_reaches_the_lowest_code(bits, k, code):
-    # absmax k*2^-149: k/qmax (1.496 or 1.43) rounds down to the subnormal 2^-149, so
-    # -absmax/scale = -k clamps to -qmax-1 and +absmax to qmax; error stays <= (qmax+1)*2^-149
-    d = 2.0 ** -149
-    x = torch.tensor([-k * d, k * d], dtype=torch.float32)
+@pytest.mark.parametrize("bits", [8, 4])
+def test_subnormal_scale_clamps_within_the_bound(bits):
+    # extreme k*2^-149 with k = 1.5m - 1: k/m rounds down to 1, scale -2^-149 (the positive extreme wins the
+    # tie). The extreme divides to -k and is clamped to -m (error (m/2 - 1) 2^-149 <= m/2 2^-149, not clipped),
+    # its negation to k, clamped to m - 1 (clipped: error |s| + (m/2 - 1) 2^-149), as quant.py derives
+    m = -LO[bits]
+    k = 1.5 * m - 1
+    x = torch.tensor([k * D, -k * D], dtype=torch.float32)
     payload, scales = quantize_blockwise(x, bits, 2)
-    assert scales.tolist() == [d] and decode(payload, bits).tolist() == [code, QMAX[bits]]
+    assert scales.tolist() == [-D] and decode(payload, bits).tolist() == [-m, m - 1]
     out = dequantize_blockwise(payload, scales, bits, 2, 2)
-    assert out.tolist() == [code * d, QMAX[bits] * d]
-    assert ((out.double() - x.double()).abs() <= (QMAX[bits] + 1) * d).all()
+    assert out.tolist() == [m * D, -(m - 1) * D]
+    assert ((out.double() - x.double()).abs() / D).tolist() == [m / 2 - 1, m / 2]
+    check_bound(x, out, scales.numpy(), bits, 2)
 
 
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
 def test_non_finite_poisons_its_block_only(bits, bad):
+    m = -LO[bits]
     x = torch.tensor([1.0, 2.0, bad, 4.0, 1.0, -7.0, 0.5, 3.0])
     payload, scales = quantize_blockwise(x, bits, 4)
-    assert math.isnan(scales[0].item()) and scales[1].item() == np.float32(7) / np.float32(QMAX[bits])
+    assert math.isnan(scales[0].item()) and scales[1].item() == 7.0 / m
     out = dequantize_blockwise(payload, scales, bits, 4, 8)
     assert torch.isnan(out[:4]).all()
-    assert (out[4:] - x[4:]).abs().max() <= 7.0 / QMAX[bits] / 2
+    assert (out[4:] - x[4:]).abs().max() <= 7.0 / m / 2
     check_exact(x, bits, 4)
 
 
-def test_fp32_max_is_the_documented_overflow():
+def test_fp32_max_comes_back_exactly():
     top = torch.finfo(torch.float32).max
-    p, s = quantize_blockwise(torch.tensor([top, 1.0]), 8, 2)
-    assert torch.isinf(dequantize_blockwise(p, s, 8, 2, 2)[0])
-    below = torch.nextafter(torch.tensor(top), torch.tensor(0.0))
-    p, s = quantize_blockwise(torch.stack([below, -below]), 8, 2)
-    assert torch.isfinite(dequantize_blockwise(p, s, 8, 2, 2)).all()
+    for bits in (8, 4):                 # the extreme is code -m, times scale -e/m: e exactly, no overflow
+        for x, extreme in [([top, 1.0], 0), ([-top, 1.0], 0), ([top, -top], 0), ([-top, top], 1)]:
+            x = torch.tensor(x)
+            p, s = quantize_blockwise(x, bits, 2)
+            out = dequantize_blockwise(p, s, bits, 2, 2)
+            assert torch.isfinite(out).all() and out[extreme] == x[extreme]
 
 
 def test_argument_validation():
@@ -265,10 +329,10 @@ def test_slot_is_a_permutation_and_s1_is_the_plain_reorder(X, Y):
 
 def test_reorder_and_quantize_layout_by_hand():
     # X=2, Y=2, block 2, 8 values: shards [0,1] [2,3] [4,5] [6,7]; order 0, 2, 1, 3
-    x = torch.tensor([1.0, -1.0, 2.0, 2.0, 3.0, 0.0, 4.0, -4.0]) * 127
+    x = torch.tensor([-1.0, 0.5, -2.0, -2.0, -3.0, 0.0, 4.0, -2.0]) * 128
     payload, scales = reorder_and_quantize(x, 2, 2, 8, 2)
-    assert scales.tolist() == [1.0, 3.0, 2.0, 4.0]
-    assert payload.view(torch.int8).tolist() == [127, -127, 127, 0, 127, 127, 127, -127]
+    assert scales.tolist() == [1.0, 3.0, 2.0, -4.0]
+    assert payload.view(torch.int8).tolist() == [-128, 64, -128, 0, -128, -128, -128, 64]
 
 
 def simulate_qgz(grads, X, Y, bits, block, S, out_bits):
@@ -299,8 +363,9 @@ def simulate_qgz(grads, X, Y, bits, block, S, out_bits):
 @pytest.mark.parametrize("bits", [8, 4])
 @pytest.mark.parametrize("X,Y,S", [(1, 1, 1), (2, 2, 1), (2, 2, 2), (4, 2, 3), (2, 3, 2), (3, 1, 1), (1, 3, 2)])
 def test_two_hop_exact_placement(bits, X, Y, S):
-    """Every (partition, stage) piece carries a distinct marker that quantizes losslessly."""
-    P, c, block, numel = X * Y, QMAX[bits], 4, 6 * X * Y * S + 3   # ragged: pads by both rules
+    """Every (partition, stage) piece carries a distinct marker that quantizes losslessly (a block of one
+    value v and padding zeros: v is the extreme, code -m, scale -v/m exact)."""
+    P, c, block, numel = X * Y, 3, 4, 6 * X * Y * S + 3   # ragged: pads by both rules
     shard = -(-numel // P)
     sub = -(-shard // (S * block)) * block
     i = torch.arange(numel)
@@ -314,20 +379,38 @@ def test_two_hop_exact_placement(bits, X, Y, S):
         assert torch.equal(got[p].double(), total[p * shard:(p + 1) * shard])
 
 
+def quant_error_bound(v: torch.Tensor, bits: int, block: int, err=0.0) -> torch.Tensor:
+    """quant.py's bound max(|s|/2, |w| - (m-1)|s|) + 2**-23 a + m 2**-149 on |dequant(quant(w)) - w|, per
+    element, for every fp32 w with |w - v| <= err (float64, blocks from index 0). |s| = a/m and the block
+    absmax a of |w| lies between those of |v| - err and |v| + err."""
+    m = -LO[bits]
+
+    def block_absmax(u):
+        return torch.from_numpy(padded_blocks(u, block).max(axis=1)).repeat_interleave(block)[:u.numel()]
+
+    a_hi, a_lo = block_absmax(v.abs() + err), block_absmax(v.abs() - err).clamp(min=0)
+    return torch.maximum(a_hi / (2 * m), v.abs() + err - (m - 1) * a_lo / m) + 2.0 ** -23 * a_hi + m * D
+
+
 @pytest.mark.parametrize("X,Y,S,bits,out_bits", [(2, 2, 1, 4, 4), (2, 2, 2, 8, 8), (4, 2, 2, 4, 8), (2, 3, 3, 4, 4)])
 def test_two_hop_random_mean(X, Y, S, bits, out_bits):
     P, block = X * Y, 32
     g = torch.Generator().manual_seed(X * 100 + Y * 10 + S)
     grads = [torch.randn(1000, generator=g).to(torch.bfloat16 if bits == 4 else torch.float32) for _ in range(P)]
     got, shard, _ = simulate_qgz(grads, X, Y, bits, block, S, out_bits)
-    ref = torch.cat([sum(x.double() for x in grads), torch.zeros(P * shard - 1000, dtype=torch.float64)])
-    amax = max(x.double().abs().max().item() for x in grads)
-    node_max = max(sum(grads[n * X + l].double() for l in range(X)).abs().max().item() for n in range(Y))
-    tol = P * amax / QMAX[bits] / 2 + Y * node_max / QMAX[out_bits] / 2 + 1e-5
+    parts = [torch.cat([x.double(), torch.zeros(P * shard - 1000, dtype=torch.float64)]).view(P, shard)
+             for x in grads]                          # parts[r][p]: rank r's values of partition p
     rel = []
     for p in range(P):
-        mean, want = got[p].double() / P, ref[p * shard:(p + 1) * shard] / P   # step 5: divide by P once
-        assert ((mean - want).abs() <= tol / P).all()
+        want = sum(part[p] for part in parts)
+        first = [quant_error_bound(part[p], bits, block) for part in parts]     # each rank's quantization
+        bound = sum(first) + 1e-5                     # + the fp32 sums' rounding
+        for n in range(Y):                            # each node's re-quantization of its dequantized sum
+            node = range(n * X, (n + 1) * X)
+            bound = bound + quant_error_bound(sum(parts[r][p] for r in node), out_bits, block,
+                                              sum(first[r] for r in node) + 1e-5)
+        mean, want = got[p].double() / P, want / P    # step 5: divide by P once
+        assert ((mean - want).abs() <= bound / P).all()
         rel.append(((mean - want).norm() / want.norm()).item())
     assert max(rel) < (0.02 if min(bits, out_bits) == 8 else 0.3)
 

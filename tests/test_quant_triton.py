@@ -46,8 +46,7 @@ def test_triton_kernels_under_interpreter():
 
 
 DTYPES = [torch.float32, torch.bfloat16, torch.float16]
-QMAX = {8: 127, 4: 7}
-RTOL_BITS = 2.0 ** -22
+LO = {8: -128, 4: -8}          # the lowest code, -2**(bits-1); the highest is -LO - 1
 TINY = 2.0 ** -149
 FLT_MAX = torch.finfo(torch.float32).max
 
@@ -91,22 +90,24 @@ def special_values(block: int) -> torch.Tensor:
     r = torch.randn(block, generator=g); r[0] = float("inf"); rows.append(r)
     r = torch.zeros(block); r[-1] = float("-inf"); rows.append(r)
     r = torch.randn(block, generator=g) * 1e-40; rows.append(r)      # subnormal inputs and scale
-    r = torch.zeros(block); r[0] = 3 * TINY; rows.append(r)           # absmax/qmax underflows: scale 0
-    r = torch.zeros(block); r[0] = 300 * TINY; r[-1] = -97 * TINY; rows.append(r)
+    r = torch.zeros(block); r[0] = 3 * TINY; rows.append(r)           # e/-m underflows to -0: scale +0
+    r = torch.zeros(block); r[0] = 300 * TINY; r[-1] = -97 * TINY; rows.append(r)   # subnormal, negative
     r = torch.randn(block, generator=g).clamp(-1, 1) * 3e38; r[0] = FLT_MAX; rows.append(r)     # fp32 max
     r = -torch.zeros(block); r[1 % block] = -2.5; rows.append(r)     # negative zeros
+    r = torch.randn(block, generator=g).clamp(-3, 3); r[0] = 4.0; r[-1] = -4.0; rows.append(r)   # tie: +4 wins
+    r = torch.zeros(block); r[1] = -1.0; r[2:] = 0.99; rows.append(r)   # clipped by int4, beside the extreme
     return torch.cat(rows)
 
 
 def halfway_values(bits: int, block: int, scale: float = 0.125) -> torch.Tensor:
-    """Blocks that each start with qmax*scale (the absmax; with scale a power of two x/scale
-    is exact) followed by ties k + 0.5 (times scale): every tie -qmax+0.5 .. qmax-0.5."""
-    qmax = QMAX[bits]
-    ties = torch.arange(-qmax, qmax, dtype=torch.float32) + 0.5
+    """Blocks that each start with the extreme -m*scale (so the stored scale is ``scale``; with scale a
+    power of two x/scale is exact) followed by ties k + 0.5 (times scale): every tie -m+0.5 .. m-0.5."""
+    m = -LO[bits]
+    ties = torch.arange(-m, m, dtype=torch.float32) + 0.5
     per_block = block - 1
     nb = -(-ties.numel() // per_block)
     body = ties.repeat(-(-nb * per_block // ties.numel()))[:nb * per_block].view(nb, per_block)
-    return torch.cat([torch.full((nb, 1), qmax * 1.0), body], dim=1).reshape(-1) * scale
+    return torch.cat([torch.full((nb, 1), -m * 1.0), body], dim=1).reshape(-1) * scale
 
 
 # ----------------------------------------------------------------------------- quantize / dequantize
@@ -142,12 +143,13 @@ def test_special_blocks(bits, dtype):
     p, s = check_quant(x_in, bits, block)
     nb = x.numel() // block
     codes = p.view(nb, -1)
-    assert s[0] == 0 and not codes[0].any()                        # zeros: scale 0, q 0
+    assert s[0] == 0 and not s[0].signbit() and not codes[0].any()  # zeros: scale +0, q 0
     assert s[1].isnan() and not codes[1].any()                     # NaN block
     assert s[2].isnan() and s[3].isnan() and not codes[2:4].any()  # +-inf blocks
     if dtype == torch.float32:
-        assert s[5] == 0 and not codes[5].any()                   # scale underflows to 0
-        assert 0 < s[6] < 2.0 ** -126                              # subnormal scale
+        assert s[5] == 0 and not s[5].signbit() and not codes[5].any()   # scale underflows to +0
+        assert -2.0 ** -126 < s[6] < 0                             # subnormal scale; positive extreme
+    assert s[9] == -4.0 / -LO[bits] and s[10] == 1.0 / -LO[bits]
     out = qt.dequantize_blockwise(p, s, bits, block, x.numel())
     assert out.view(nb, block)[1:4].isnan().all()                  # non-finite stays non-finite
     assert torch.equal(out.view(nb, block)[0], torch.zeros(block))
@@ -157,14 +159,17 @@ def test_special_blocks(bits, dtype):
 def test_halfway_points_round_half_even(bits):
     block = 16
     x = halfway_values(bits, block)
-    p, s = check_quant(x, bits, block)
-    assert (s == 0.125).all()
-    codes = (ref.unpack_int4(p) if bits == 4 else p.view(torch.int8).to(torch.int16)).view(-1, block)
-    assert (codes[:, 0] == QMAX[bits]).all()
-    ties = (x / 0.125).view(-1, block)[:, 1:]
-    assert (ties - ties.floor() == 0.5).all()
-    assert torch.equal(codes[:, 1:].float(), torch.round(ties))      # torch.round: half to even
-    assert (codes[:, 1:] % 2 == 0).all()                               # every tie went to the even code
+    m = -LO[bits]
+    for sign in (1, -1):                      # extreme -m*0.125 (scale 0.125), and its negation (scale -0.125)
+        p, s = check_quant(sign * x, bits, block)
+        assert (s == sign * 0.125).all()
+        codes = (ref.unpack_int4(p) if bits == 4 else p.view(torch.int8).to(torch.int16)).view(-1, block)
+        assert (codes[:, 0] == -m).all()
+        ties = (x / 0.125).view(-1, block)[:, 1:]
+        assert (ties - ties.floor() == 0.5).all()
+        top = ties == m - 0.5                 # rounds to m (even) and is clamped to m - 1
+        assert torch.equal(codes[:, 1:].float(), torch.round(ties).clamp(max=m - 1))   # round: half to even
+        assert top.any() and (codes[:, 1:][~top] % 2 == 0).all()   # every other tie went to the even code
     # Ties at a non power-of-two scale, and in bf16/fp16 inputs.
     check_quant(halfway_values(bits, block, scale=0.1), bits, block)
     for dtype in (torch.bfloat16, torch.float16):
@@ -174,7 +179,7 @@ def test_halfway_points_round_half_even(bits):
 def test_bf16_is_read_as_bf16():
     x = torch.tensor([1e30, -3e-39, 2.0, 1e-20, 0.0, -7.5], dtype=torch.bfloat16)   # not fp16 values
     p, s = check_quant(x, 8, 6)
-    assert s[0] == torch.tensor(1e30, dtype=torch.bfloat16).float() / 127
+    assert s[0] == torch.tensor(1e30, dtype=torch.bfloat16).float() / -128
 
 
 def test_dequantize_padding_never_leaks():
@@ -199,8 +204,9 @@ def test_dequantize_padding_never_leaks():
 
 @pytest.mark.parametrize("bits", [8, 4])
 def test_error_bound_random_data(bits):
-    """quant.py's bound: |dq(q(x)) - x| <= s/2 + 2**-22 a + (qmax+1) 2**-149, per finite block."""
-    qmax, block = QMAX[bits], 32
+    """quant.py's bound, per finite block: |dq(q(x)) - x| <= max(|s|/2, |x| - (m-1)|s|) + 2**-23 a + m 2**-149,
+    and within |s|/2 + those terms wherever x/s <= m - 1/2 (not clipped)."""
+    m, block = -LO[bits], 32
     g = torch.Generator().manual_seed(11 + bits)
     mags = torch.tensor([1e-41, 1e-38, 1e-20, 1e-3, 1.0, 1e3, 1e30, 3e38])
     x = torch.randn(len(mags), block, generator=g) * mags[:, None]
@@ -214,10 +220,13 @@ def test_error_bound_random_data(bits):
     od = torch.zeros(nb * block, dtype=torch.float64)
     od[:x.numel()] = out
     err = (od - xd).abs().view(nb, block)
-    a = xd.abs().view(nb, block).amax(dim=1)
-    bound = s.double() / 2 + RTOL_BITS * a + (qmax + 1) * TINY
+    a = xd.abs().view(nb, block).amax(dim=1, keepdim=True)
+    step = s.double().abs()[:, None]
+    rounding = 2.0 ** -23 * a + m * TINY
     assert torch.isfinite(s).all()
-    assert (err <= bound[:, None]).all(), (err.amax(dim=1), bound)
+    assert (err <= torch.maximum(step / 2, xd.abs().view(nb, block) - (m - 1) * step) + rounding).all()
+    clipped = xd.view(nb, block) / s.double()[:, None] > m - 0.5
+    assert clipped.any() and (err[~clipped] <= (step / 2 + rounding).expand(-1, block)[~clipped]).all()
 
 
 # ----------------------------------------------------------------------------- qgZ

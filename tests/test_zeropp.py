@@ -272,13 +272,13 @@ def _rank_input(global_rank: int, numel: int, shard: int, exact: bool) -> torch.
     g = torch.Generator().manual_seed(100 + global_rank)
     if not exact:
         return torch.randn(numel, generator=g) * (1 + global_rank)
-    # int4-exact: quantization block k of every partition is a * w with w integers in [-7, 7] reaching +-7 (the
-    # same on every rank) and a a power of two drawn per (rank, partition, block): every quantization, sum and
-    # re-quantization is exact, so qgZ must return the mean bit for bit
+    # int4-exact: quantization block k of every partition is a * w with w integers in [-8, 7] whose extreme is
+    # -8 (the same on every rank) and a a power of two drawn per (rank, partition, block): every quantization
+    # (scale a, codes w), sum and re-quantization is exact, so qgZ must return the mean bit for bit
     i = torch.arange(numel)
     blocks = (i // shard) * (shard // 32 + 1) + (i % shard) // 32
-    w = torch.randint(-7, 8, (numel,), generator=torch.Generator().manual_seed(7)).float()
-    w[(i % shard) % 32 == 0] = 7.0
+    w = torch.randint(-8, 8, (numel,), generator=torch.Generator().manual_seed(7)).float()
+    w[(i % shard) % 32 == 0] = -8.0
     a = 2.0 ** torch.randint(-3, 4, (int(blocks.max()) + 1,), generator=g).float()
     return w * a[blocks]
 
@@ -304,9 +304,11 @@ def qgz_mean_worker(overrides, numel, cases):
 def _qgz_mean(mesh, numel, exact, stages, bits):
     from parallel.zero.zeropp import QgzReduce, Quant
 
+    from tests.test_quant_kernels import quant_error_bound
+
     dp, x, y = mesh.dp, mesh.dp_intra.size, mesh.dp_inter.size
     assert x * y == dp.size
-    block, qmax = 32, 7 if bits == 4 else 127
+    block = 32
     shard = -(-numel // dp.size)
     inputs = {r: _rank_input(r, numel, shard, exact) for r in dp.ranks}
     out = torch.empty(shard)
@@ -318,17 +320,15 @@ def _qgz_mean(mesh, numel, exact, stages, bits):
     part = {r: v[p * shard:(p + 1) * shard] for r, v in padded.items()}
     mean = sum(part.values()) / dp.size
 
-    def block_absmax(v):
-        n = -(-v.numel() // block) * block
-        m = torch.cat([v.abs(), v.new_zeros(n - v.numel())]).view(-1, block).amax(dim=1)
-        return m.repeat_interleave(block)[:v.numel()]
-
-    # bound: every rank's quantization (scale/2 each), every node's re-quantization of its sum, then / P
-    bound = sum(block_absmax(v) for v in part.values()) / qmax / 2
+    # bound: every rank's quantization, every node's re-quantization of its (perturbed) sum, then / P; each
+    # within quant.py's max(|s|/2, |x| - (m-1)|s|) + fp32 terms (a value clipped beside its block's extreme errs
+    # by up to |s|, the others by |s|/2)
+    first = {r: quant_error_bound(v, bits, block) for r, v in part.items()}
+    bound = sum(first.values())
     if x > 1 and y > 1:
         nodes = [dp.ranks[j * x:(j + 1) * x] for j in range(y)]
-        bound = bound + sum(block_absmax(sum(part[r] for r in node) + sum(block_absmax(part[r]) / qmax / 2
-                                                                         for r in node)) for node in nodes) / qmax / 2
+        bound = bound + sum(quant_error_bound(sum(part[r] for r in node), bits, block, sum(first[r] for r in node))
+                            for node in nodes)
     bound = bound / dp.size + 1e-6 * mean.abs() + 1e-30
     return {"out": out, "mean": mean, "bound": bound, "x": x, "y": y,
             "by_group": mesh.ledger.snapshot()["by_group"]}
@@ -470,7 +470,7 @@ def test_hpz_size_must_divide_the_dp_ranks_of_a_node():
 # -- observability -----------------------------------------------------------------------------------------
 def test_sampled_quantization_error_is_logged(tmp_path):
     """zero.quant_error_interval=2: steps 2 and 4 carry the relative error of the gathered weights (int8:
-    about 1/(2*127*sqrt(3)) of a block's scale, so well under 1%) and of the reduced gradients (int4)."""
+    about 1/(2*128*sqrt(3)) of a block's absmax, so well under 1%) and of the reduced gradients (int4)."""
     import sys
 
     from tests.test_train_e2e import FAST, records, run_train

@@ -424,7 +424,7 @@ class ZeroDataParallel:
                                   or self.qwz is not None and unit.secondary_unmeasured):
                 accumulate_error(self._qerr[:2], unit.full[unit.own], unit.shard)  # own dequantized piece vs shard
                 unit.secondary_unmeasured = False
-            if unit.reference is not None and not unit.secondary_valid:  # qWD: from the primary shards
+            if self.weight_delta and not unit.secondary_valid:  # qWD: from the primary shards
                 unit.reference.copy_(unit.full[unit.own])
                 unit.reference_valid = True
             unit.gather_work = None

@@ -64,14 +64,18 @@ gradient buffer has fewer than ``zero.qgz_min_numel`` elements take the plain
 reduce-scatter (latency of two hops beats the bytes saved); the rule is the same in
 the analytic volume.
 
-Error bound of qgZ (tested in tests/test_zeropp.py): for an element whose quantization block
-has absmax a_r on DP rank r, and absmax b_n in node n's re-quantized sum,
+Error bound of qgZ (tested in tests/test_zeropp.py): with m = 2**(bits-1) at the bits of each
+quantization, for an element x_r on DP rank r whose quantization block has absmax a_r, and the value
+v_n it sums to in node n's dequantized sum, whose re-quantization block has absmax b_n,
 
-    |result - mean| <= ( sum_r a_r / (2 qmax) + sum_n b_n / (2 qmax) ) / P   (+ fp32 rounding)
+    |result - mean| <= ( sum_r e(x_r, a_r) + sum_n e(v_n, b_n) ) / P   (+ fp32 rounding)
+    e(x, a) = max(a / (2m), |x| - (m-1) a / m)  <=  a / m
 
-(each rank's quantization and each node's re-quantization err by at most half a step; the
-second sum is absent with one node or one rank per node). Inputs that int4 represents
-exactly, sums included, come back exactly (the fp32 mean, bit for bit).
+(``kernels/quant.py``'s bound: a quantization errs by at most half a step, a/(2m), except a value on
+the other side of zero from its block's extreme with magnitude above (1 - 2**-bits) a, which is
+clipped to the top code and errs by at most one step, a/m; the second sum is absent with one node or
+one rank per node). Inputs that int4 represents exactly, sums included, come back exactly (the fp32
+mean, bit for bit): e.g. blocks k*w with w integers in [-8, 7] whose extreme is -8 (scale k, codes w).
 
 **Beyond ZeRO++: 4-bit communication that converges** (SDP4Bit, SPEC §7), at ZeRO stages 1, 2 and 3:
 
