@@ -225,6 +225,18 @@ def qgz_slice_sizes(numel: int, x_size: int, y_size: int, block: int, stages: in
     return shard, -(-shard // (stages * block)) * stages * block
 
 
+def qgz_padded_shards(x: torch.Tensor, x_size: int, y_size: int, block: int, stages: int = 1) -> torch.Tensor:
+    """``x`` (flattened) padded by the ``qgz_slice_sizes`` rule: P = x_size*y_size rows, row p holding shard p
+    and zeros up to ``padded_shard`` elements (``x``'s dtype, P x padded_shard)."""
+    P = x_size * y_size
+    shard, padded = qgz_slice_sizes(x.numel(), x_size, y_size, block, stages)
+    flat = torch.zeros(P * shard, dtype=x.dtype, device=x.device)
+    flat[:x.numel()] = x.reshape(-1)
+    buf = torch.zeros(P, padded, dtype=x.dtype, device=x.device)
+    buf[:, :shard] = flat.view(P, shard)
+    return buf
+
+
 def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, block: int,
                          stages: int = 1) -> Tuple[torch.Tensor, torch.Tensor]:
     """qgZ steps 1-2 (before the intra-node all-to-all): pad, reorder, quantize.
@@ -246,12 +258,8 @@ def reorder_and_quantize(x: torch.Tensor, x_size: int, y_size: int, bits: int, b
     _check_block(block, bits)
     _check_x(x)
     P = x_size * y_size
-    shard, padded = qgz_slice_sizes(x.numel(), x_size, y_size, block, stages)
-    buf = torch.zeros(P, padded, dtype=x.dtype, device=x.device)
-    flat = torch.zeros(P * shard, dtype=x.dtype, device=x.device)
-    flat[:x.numel()] = x.reshape(-1)
-    buf[:, :shard] = flat.view(P, shard)
-    fine = buf.view(P * stages, padded // stages)
+    buf = qgz_padded_shards(x, x_size, y_size, block, stages)
+    fine = buf.view(P * stages, buf.shape[1] // stages)
     source = [0] * (P * stages)                           # source[slot] = fine slice id
     for i in range(P * stages):
         source[qgz_slot(i, stages, x_size, y_size)] = i

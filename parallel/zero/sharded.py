@@ -545,17 +545,15 @@ class ZeroDataParallel:
         shards), so the run continues as if never stopped; without them the next gather is exact, as at the
         start. Stages 1-2 with qwZ (no qWD): the parameters are the quantized gather of the master, as after
         every step."""
-        if self._quantized_step_gather() and not (self.weight_delta and reference_loaded):
-            for u in self.units:
-                u.shard.copy_(u.master)  # the reference the first differences are taken against: exact
-            if not self.weight_delta:
-                for work in [QuantizedGather(u.full, u.master, self.mesh.dp, self.qwz, self.gather_route)
-                             for u in self.units]:
-                    work.wait()
-                return
-        for u in self.units:
-            if u.shard is not u.master and not self._quantized_step_gather():
+        quantized = self._quantized_step_gather()
+        for u in self.units:  # (stages 1-2 qWD with the reference loaded: the shard holds that reference)
+            if u.shard is not u.master and not (quantized and self.weight_delta and reference_loaded):
                 u.shard.copy_(u.master)
+        if quantized and not self.weight_delta:
+            for work in [self._step_gather(u) for u in self.units]:
+                work.wait()
+            return
+        for u in self.units:
             if self.stage < 3:
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
             u.secondary_valid = u.secondary_unmeasured = False

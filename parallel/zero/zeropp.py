@@ -111,7 +111,7 @@ import torch
 
 from kernels import hadamard as hadamard_blocks
 from kernels.ops import quant_ops
-from kernels.quant import n_blocks, payload_nbytes, qgz_slice_sizes
+from kernels.quant import n_blocks, payload_nbytes, qgz_padded_shards, qgz_slice_sizes
 from parallel import comm
 
 
@@ -123,17 +123,6 @@ class Quant:
     def wire_nbytes(self, numel: int) -> int:
         """Bytes of ``numel`` values on the wire: payload plus one fp32 scale per block."""
         return payload_nbytes(numel, self.bits, self.block) + 4 * n_blocks(numel, self.block)
-
-
-def _padded_shards(buf: torch.Tensor, parts: int, padded: int) -> torch.Tensor:
-    """``buf`` zero-padded to ``parts`` equal shards of ceil(numel / parts), each zero-padded to ``padded``
-    elements (``qgz_slice_sizes``' rule, what ``reorder_and_quantize`` does first), fp32, ``parts`` x ``padded``."""
-    shard = -(-buf.numel() // parts)
-    flat = torch.zeros(parts * shard, dtype=torch.float32, device=buf.device)
-    flat[:buf.numel()] = buf.reshape(-1)
-    out = torch.zeros(parts, padded, dtype=torch.float32, device=buf.device)
-    out[:, :shard] = flat.view(parts, shard)
-    return out
 
 
 def _pack(payload: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
@@ -316,7 +305,7 @@ class QgzReduce:
         first = self.plan.first
         pb, sb = self.plan.slot_bytes(first)
         if hadamard:  # rotate the blocks as they will be quantized: pad by reorder_and_quantize's rule first
-            buf = hadamard_blocks.rotate(_padded_shards(buf, x * y, self.plan.sub * s), q.block)
+            buf = hadamard_blocks.rotate(qgz_padded_shards(buf, x, y, q.block, s), q.block)
         payload, scales = self.ops.reorder_and_quantize(buf, x, y, first.bits, q.block, s)
         # per stage: X rows (one per local destination) of [Y slots' payload | Y slots' scales]
         self.send = torch.cat([payload.view(s, x, y * pb), scales.view(torch.uint8).view(s, x, y * sb)], dim=2)
@@ -358,23 +347,17 @@ class QgzReduce:
 
     def wait(self) -> None:
         x, y, s, sub = self.plan.x, self.plan.y, self.plan.stages, self.plan.sub
-        pb, sb = self.plan.slot_bytes()
-        total = torch.empty(s * sub, dtype=torch.float32, device=self.out.device)
         if y == 1:  # one node: the intra-node all-to-all was the whole reduction
-            first = self.plan.first
-            pb, _ = self.plan.slot_bytes(first)
-            for k in range(s):
-                self.intra_work[k].wait()
-                payloads, scales = _unpack(self.recv[k], pb)
-                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, first.bits, self.q.block,
-                                                                    sub)
+            arrived, q = list(zip(self.intra_work, self.recv)), self.plan.first
         else:
             self.advance(block=True)
-            for k, (work, recv) in enumerate(self.pending):
-                work.wait()
-                payloads, scales = _unpack(recv, pb)
-                total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, self.q.bits, self.q.block,
-                                                                    sub)
+            arrived, q = self.pending, self.q
+        pb, _ = self.plan.slot_bytes(q)
+        total = torch.empty(s * sub, dtype=torch.float32, device=self.out.device)
+        for k, (work, recv) in enumerate(arrived):
+            work.wait()
+            payloads, scales = _unpack(recv, pb)
+            total[k * sub:(k + 1) * sub] = self.ops.dequant_sum(payloads, scales, q.bits, q.block, sub)
         if self.hadamard:  # the sums are of rotated blocks (the rotation is linear): rotate the total back
             total = hadamard_blocks.unrotate(total, self.q.block)
         total = total[:self.plan.shard]
