@@ -95,10 +95,27 @@ class ModelConfig:
     """Epsilon of the normalisation layers."""
     rope_theta: float = 10000.0
     """Rotary position embedding base."""
+    rope_scaling: str = "none"
+    """RoPE frequency scaling for a longer context: none | linear (every frequency / rope_scaling_factor) |
+    llama3 (Llama 3.1/3.2: low frequencies / factor, high ones kept, a smooth ramp between)."""
+    rope_scaling_factor: float = 1.0
+    """linear and llama3: the context extension factor (Llama 3.1: 8, Llama 3.2: 32)."""
+    rope_low_freq_factor: float = 1.0
+    """llama3: wavelengths above rope_original_max_positions / this are divided by the factor."""
+    rope_high_freq_factor: float = 4.0
+    """llama3: wavelengths below rope_original_max_positions / this are kept; must exceed rope_low_freq_factor."""
+    rope_original_max_positions: int = 8192
+    """llama3: the context length the model was pretrained at before the extension."""
+    kv_channels: Optional[int] = None
+    """Per-head dimension (Megatron's kv_channels, Hugging Face's head_dim); default d_model / n_heads. The query
+    and output projections are n_heads * kv_channels wide."""
     tie_embeddings: bool = False
     """Share the input embedding with the output projection."""
     bias: bool = False
     """Use biases in linear layers (GPT-2 style)."""
+    qkv_bias: bool = False
+    """Biases on the query, key and value projections only (Qwen2; Megatron's add_qkv_bias); model.bias already
+    puts one on every linear layer."""
     dropout: float = 0.0
     """Dropout on embeddings and on each residual branch."""
     attention_dropout: float = 0.0
@@ -107,6 +124,10 @@ class ModelConfig:
     """Std of the normal initialisation; output projections use init_std/sqrt(2*n_layers)."""
     activation_checkpointing: str = "off"
     """Recompute activations in backward: off | full (every block) | selective (attention core)."""
+    hf_model_type: Optional[str] = None
+    """The Hugging Face architecture scripts/export_hf.py writes: llama | qwen2 | mistral; null: qwen2 when the
+    model has q/k/v biases only (model.qkv_bias), else llama. Set by scripts/import_hf.py; the computation
+    depends on the other model keys only."""
 
     @property
     def kv_heads(self) -> int:
@@ -114,7 +135,17 @@ class ModelConfig:
 
     @property
     def head_dim(self) -> int:
-        return self.d_model // self.n_heads
+        return self.kv_channels if self.kv_channels is not None else self.d_model // self.n_heads
+
+    @property
+    def q_size(self) -> int:
+        """Output features of the query projection (= input features of the attention's output projection)."""
+        return self.n_heads * self.head_dim
+
+    @property
+    def attn_bias(self) -> bool:
+        """Whether the query/key/value projections have biases (model.bias or model.qkv_bias)."""
+        return self.bias or self.qkv_bias
 
     @property
     def ffn_size(self) -> int:
@@ -444,6 +475,7 @@ def _field_docs(cls: type) -> dict:
 _CHOICES = {
     "model.activation": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
+    "model.rope_scaling": ("none", "linear", "llama3"),
     "model.activation_checkpointing": ("off", "full", "selective"),
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "device": ("auto", "cpu", "cuda"),
@@ -505,14 +537,34 @@ def validate_config(cfg: Config) -> None:
          f"train.micro_batch_size={t.micro_batch_size} x model.seq_len={m.seq_len} = "
          f"{t.micro_batch_size * m.seq_len} tokens per micro-batch exceeds {MAX_MICRO_BATCH_TOKENS} "
          f"(config.MAX_MICRO_BATCH_TOKENS)")
-    if m.n_heads >= 1:
-        need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads}")
+    if m.kv_channels is not None:
+        within("model.kv_channels", 1, MAX_D_MODEL, "config.MAX_D_MODEL")
+    if m.n_heads >= 1 and m.kv_channels is None:
+        need(m.d_model % m.n_heads == 0, f"model.d_model={m.d_model} is not divisible by model.n_heads={m.n_heads} "
+             "(or set model.kv_channels)")
         need(m.head_dim % 2 == 0,
              f"head dim d_model/n_heads={m.d_model}/{m.n_heads} must be even for rotary embeddings")
+    elif m.n_heads >= 1:
+        need(m.head_dim % 2 == 0, f"model.kv_channels={m.kv_channels} must be even for rotary embeddings")
+        need(m.q_size <= 4 * MAX_D_MODEL, f"model.n_heads x model.kv_channels = {m.q_size} exceeds "
+             f"{4 * MAX_D_MODEL} (4 x config.MAX_D_MODEL)")
+    if m.n_heads >= 1:
         if m.n_kv_heads is not None:
             need(1 <= m.n_kv_heads <= m.n_heads and m.n_heads % m.n_kv_heads == 0,
                  f"model.n_kv_heads={m.n_kv_heads} must divide model.n_heads={m.n_heads} (each KV head serves "
                  f"the same number of query heads)")
+    if m.rope_scaling != "none":
+        need(math.isfinite(m.rope_scaling_factor) and m.rope_scaling_factor >= 1.0,
+             f"model.rope_scaling_factor={m.rope_scaling_factor} must be a finite number >= 1 (a context "
+             "extension factor)")
+    if m.rope_scaling == "llama3":
+        need(math.isfinite(m.rope_low_freq_factor) and math.isfinite(m.rope_high_freq_factor)
+             and 0 < m.rope_low_freq_factor < m.rope_high_freq_factor,
+             f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
+             f"{m.rope_high_freq_factor} must satisfy 0 < low < high (llama3 RoPE scaling)")
+        within("model.rope_original_max_positions", 1, MAX_SEQ_LEN, "config.MAX_SEQ_LEN")
+    need(m.hf_model_type in (None, "llama", "qwen2", "mistral"),
+         f"model.hf_model_type={m.hf_model_type!r} is not one of [None, 'llama', 'qwen2', 'mistral']")
     need(m.seq_len <= m.max_positions,
          f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
     if m.ffn_hidden is not None:

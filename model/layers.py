@@ -7,6 +7,7 @@ kernels on GPU).
 """
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 from typing import Optional
 
@@ -63,13 +64,35 @@ class Norm(nn.Module):
         return y.to(x.dtype)
 
 
+def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
+    """The rotary angular frequencies (radians per position), float64 ``[head_dim / 2]``: theta^(-2i/head_dim),
+    then ``model.rope_scaling``:
+
+    - ``linear``: every frequency divided by the factor (positions interpolated);
+    - ``llama3`` (Llama 3.1): with L the original context, a frequency whose wavelength 2 pi / f exceeds
+      L / low_freq_factor is divided by the factor, one whose wavelength is below L / high_freq_factor is kept,
+      and in between the two are blended, f ((1 - w) / factor + w) with w = (L / wavelength - low) / (high - low),
+      which is 0 at the first edge and 1 at the second, so the frequencies are continuous.
+    """
+    hd = cfg.head_dim
+    freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, hd, 2, dtype=torch.float64) / hd))
+    factor = cfg.rope_scaling_factor
+    if cfg.rope_scaling == "linear":
+        return freq / factor
+    if cfg.rope_scaling == "llama3":
+        low, high, context = cfg.rope_low_freq_factor, cfg.rope_high_freq_factor, cfg.rope_original_max_positions
+        wavelength = 2 * math.pi / freq
+        w = ((context / wavelength - low) / (high - low)).clamp(0.0, 1.0)
+        return freq * ((1 - w) / factor + w)
+    return freq
+
+
 class Rotary(nn.Module):
     """Rotary position embedding (rotate-half form) for ``[s, b, heads, head_dim]``."""
 
-    def __init__(self, head_dim: int, max_positions: int, theta: float):
+    def __init__(self, cfg: ModelConfig):
         super().__init__()
-        inv_freq = 1.0 / (theta ** (torch.arange(0, head_dim, 2, dtype=torch.float64) / head_dim))
-        angles = torch.outer(torch.arange(max_positions, dtype=torch.float64), inv_freq)
+        angles = torch.outer(torch.arange(cfg.max_positions, dtype=torch.float64), rope_frequencies(cfg))
         angles = torch.cat([angles, angles], dim=-1)  # [s, head_dim]
         self.register_buffer("cos", angles.cos().float()[:, None, None, :], persistent=False)
         self.register_buffer("sin", angles.sin().float()[:, None, None, :], persistent=False)
@@ -101,16 +124,16 @@ class Attention(nn.Module):
         self.selective_checkpoint = cfg.activation_checkpointing == "selective"
         sp, std = ctx.sequence_parallel, cfg.init_std
         if cfg.kv_heads == cfg.n_heads:
-            self.qkv = ColumnParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+            self.qkv = ColumnParallelLinear(cfg.d_model, cfg.q_size, ctx.tp, sequence_parallel=sp, bias=cfg.attn_bias,
                                             std=std, fused=3, fp8=ctx.fp8)
         else:
-            qkv = GroupedQKVLinear(cfg.d_model, cfg.d_model, cfg.kv_heads * cfg.head_dim, ctx.tp, ctx.kv_group,
-                                   sequence_parallel=sp, bias=cfg.bias, std=std, fp8=ctx.fp8)
+            qkv = GroupedQKVLinear(cfg.d_model, cfg.q_size, cfg.kv_heads * cfg.head_dim, ctx.tp, ctx.kv_group,
+                                   sequence_parallel=sp, bias=cfg.attn_bias, std=std, fp8=ctx.fp8)
             self.q, self.kv = qkv.parts
             self.qkv = qkv
-        self.proj = RowParallelLinear(cfg.d_model, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
+        self.proj = RowParallelLinear(cfg.q_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
                                       std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
-        self.rotary = Rotary(cfg.head_dim, cfg.max_positions, cfg.rope_theta)
+        self.rotary = Rotary(cfg)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
         # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank

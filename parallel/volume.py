@@ -86,7 +86,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
         if replicas > 1:
             # grouped-query attention, KV heads replicated over TP: each holder's K/V weight gradient is
             # all-reduced over its holders in every backward, in the parameters' dtype
-            kv_local = 2 * m.head_dim * (m.d_model + (1 if m.bias else 0)) * m.kv_heads * replicas // t
+            kv_local = 2 * m.head_dim * (m.d_model + (1 if m.attn_bias else 0)) * m.kv_heads * replicas // t
             e_param = 4 if cfg.zero.stage == 0 and not fp8 else e
             out["tp_kv"] += mb * layers * _ring(replicas) * e_param * kv_local
         if sp and cfg.zero.stage == 0 and not fp8:  # (ZeRO and FP8 sum their pieces themselves: below)

@@ -33,7 +33,7 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 
 import torch  # noqa: E402
 
-from model.hf import HFError, export_problems, llama_config, model_config, to_hf  # noqa: E402
+from model.hf import ARCHITECTURES, HFError, export_problems, hf_config, hf_model_type, model_config, to_hf  # noqa: E402
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -245,7 +245,8 @@ def _publish(staging: Path, out: Path) -> None:
 
 
 def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
-           tokenizer: str | None = None, no_tokenizer: bool = False, force: bool = False) -> Dict[str, Any]:
+           tokenizer: str | None = None, no_tokenizer: bool = False, force: bool = False,
+           model_type: str | None = None) -> Dict[str, Any]:
     """Write the Llama directory; returns a summary (checkpoint, step, files).
 
     Everything is read and checked first (checkpoint, settings, tokenizer), then the whole export is written into
@@ -262,9 +263,10 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
         settings = config["model"]
     except (OSError, ValueError, KeyError) as e:
         raise HFError(f"{step_dir / 'meta.json'}: no model config in it ({e.__class__.__name__}: {e})") from None
-    problems = export_problems(settings)
+    family = hf_model_type(settings, model_type)
+    problems = export_problems(settings, family)
     if problems:
-        raise HFError(f"cannot export {step_dir} to Llama: " + "; ".join(problems))
+        raise HFError(f"cannot export {step_dir} as {ARCHITECTURES[family]}: " + "; ".join(problems))
     if out.exists() and not out.is_dir():
         raise HFError(f"--output {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -279,14 +281,14 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
     try:
         files = write_weights(tensors, staging, max_bytes)
         bos, eos = write_tokenizer(tok_file, staging, m.vocab_size, m.max_positions) if tok_file else (None, None)
-        (staging / "config.json").write_text(json.dumps(llama_config(settings, dtype=dtype, bos_id=bos, eos_id=eos),
-                                                        indent=2) + "\n")
+        config_json = hf_config(settings, dtype=dtype, bos_id=bos, eos_id=eos, model_type=family)
+        (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos})
                                                         + "\n")
         _publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
-    return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files,
+    return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files, "architecture": ARCHITECTURES[family],
             "parameters": sum(t.numel() for t in tensors.values())}
 
 
@@ -299,11 +301,14 @@ def main(argv=None) -> int:
     p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's data.tokenizer)")
     p.add_argument("--no-tokenizer", action="store_true", help="write the model only (config and weights)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --output")
+    p.add_argument("--model-type", choices=sorted(ARCHITECTURES),
+                   help="Hugging Face family to write (default: the checkpoint's model.hf_model_type, else qwen2 "
+                        "for q/k/v-only biases, else llama)")
     args = p.parse_args(argv)
     try:
         summary = export(Path(args.checkpoint), Path(args.output), dtype=args.dtype,
                          max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
-                         no_tokenizer=args.no_tokenizer, force=args.force)
+                         no_tokenizer=args.no_tokenizer, force=args.force, model_type=args.model_type)
     except HFError as e:
         print(f"error: {e}", file=sys.stderr)
         return 2

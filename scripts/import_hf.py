@@ -38,7 +38,7 @@ import yaml  # noqa: E402
 
 from config import Config, to_dict  # noqa: E402
 from model.hf import HFError, from_hf, model_config, model_settings  # noqa: E402
-from training.checkpoint import FORMAT_VERSION, MODEL_KEYS, file_digest  # noqa: E402
+from training.checkpoint import FORMAT_VERSION, file_digest, model_record  # noqa: E402
 
 
 def read_config(model_dir: Path) -> Dict[str, Any]:
@@ -105,7 +105,7 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
     if tokenizer is not None:
         config["data"]["tokenizer"] = str(tokenizer)
     m = model_config(settings)
-    model = {k: getattr(m, k) for k in MODEL_KEYS}  # what train.py records
+    model = model_record(m)  # what train.py records
     meta = {"format": FORMAT_VERSION, "step": 0, "consumed_samples": 0, "skipped_steps": 0, "config": config,
             "model": model, "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1},
             "data": None, "fp8": None, "weights_only": True, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}

@@ -245,16 +245,24 @@ def _config(tmp_path: Path, **changes) -> Path:
 
 
 @pytest.mark.parametrize("changes,expected", [
-    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}}, "rope_parameters="),
-    ({"rope_scaling": {"type": "linear", "factor": 2.0}}, "rope_scaling="),
-    ({"head_dim": 32}, "head_dim=32 != hidden_size/num_attention_heads=64/4"),
+    ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}},
+     'rope_parameters.rope_type="yarn" (only default, linear and llama3 RoPE are supported)'),
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 'rope_scaling.rope_type="dynamic"'),
+    ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}},
+     "rope_parameters.low_freq_factor=null is not a finite number above 0"),
+    ({"head_dim": 33}, "head_dim=33 is odd"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "mistral"}, "model_type='mistral'"),
+    ({"model_type": "gemma2"}, "model_type='gemma2' (soft-capped logits and sliding windows; only llama, qwen2 "
+                               "and mistral are supported)"),
+    ({"model_type": "qwen3"}, "model_type='qwen3' (QK-norm"),
+    ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 (sliding-window attention is not"),
+    ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}, "use_sliding_window=true"),
+    ({"num_local_experts": 8}, "num_local_experts=8 (mixture-of-experts is not supported)"),
     ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
     ({"hidden_size": None}, "lacks a positive integer hidden_size"),
     ({"intermediate_size": 128}, "mlp.gate_proj.weight has shape (96, 64), config.json implies (128, 64)"),
-], ids=["rope_llama3", "rope_scaling_v4", "head_dim", "gelu", "mistral", "bias_mismatch", "no_hidden_size",
-        "wrong_shapes"])
+], ids=["rope_yarn", "rope_dynamic_v4", "rope_llama3_incomplete", "head_dim_odd", "gelu", "gemma2", "qwen3_qk_norm",
+        "mistral_sliding", "qwen2_sliding", "moe", "bias_mismatch", "no_hidden_size", "wrong_shapes"])
 def test_unsupported_or_inconsistent_models_are_refused_with_the_reason(tmp_path, capsys, changes, expected):
     d = _config(tmp_path, **changes)
     capsys.readouterr()  # save_pretrained's progress bar

@@ -45,7 +45,7 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from config import Config, to_dict
+from config import Config, ModelConfig, to_dict
 from parallel import comm
 from training.engine import Engine
 from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_rng_file
@@ -53,9 +53,19 @@ from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_
 FORMAT_VERSION = 1
 STEP_DIR = re.compile(r"^step_(\d{8})$")
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
-MODEL_KEYS = ("n_layers", "d_model", "n_heads", "kv_heads", "vocab_size", "ffn_size", "activation", "norm",
-              "tie_embeddings", "bias", "norm_eps", "rope_theta")
+MODEL_KEYS = ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_size", "activation",
+              "norm", "tie_embeddings", "bias", "qkv_bias", "norm_eps", "rope_theta", "rope_scaling")
 """The model settings meta.json records; a checkpoint loads only into a model with the same ones."""
+ROPE_SCALING_KEYS = {"linear": ("rope_scaling_factor",),
+                     "llama3": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+                                "rope_original_max_positions")}
+"""The settings each RoPE scaling also depends on (recorded with it)."""
+
+
+def model_record(model: ModelConfig) -> Dict[str, Any]:
+    """What meta.json records of the model: MODEL_KEYS and the RoPE scaling's own settings."""
+    keys = MODEL_KEYS + ROPE_SCALING_KEYS.get(model.rope_scaling, ())
+    return {k: getattr(model, k) for k in keys}
 
 
 def _sha256(path: Path) -> str:
@@ -214,7 +224,7 @@ class Checkpointer:
         return {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,
                 "skipped_steps": self.engine.skipped_steps, "loss_scaler": self.engine.scaler.state_dict(),
                 "lr_schedule": self.engine.lr_schedule.state_dict(), "config": to_dict(self.cfg),
-                "model": {k: getattr(self.cfg.model, k) for k in MODEL_KEYS},
+                "model": model_record(self.cfg.model),
                 "layout": self._layout(), "data": self.data_fingerprint,
                 "fp8": self.engine.dp.fp8_state() if self.engine.fp8_scaling is not None else None,
                 "time": time.time(), "torch": torch.__version__}
@@ -431,10 +441,14 @@ class Checkpointer:
         """The run's model settings that differ from those the checkpoint records, one phrase each. Settings it
         does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
         attention every checkpoint had n_kv_heads = n_heads."""
-        saved = {"kv_heads": meta["model"].get("n_heads"), **meta["model"]}
-        model = self.cfg.model
-        return [f"model.{'n_kv_heads' if k == 'kv_heads' else k}: checkpoint {saved[k]!r} vs config "
-                f"{getattr(model, k)!r}" for k in MODEL_KEYS if k in saved and saved[k] != getattr(model, k)]
+        saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none",
+                 **meta["model"]}
+        if "head_dim" not in saved and "d_model" in saved and saved.get("n_heads"):
+            saved["head_dim"] = saved["d_model"] // saved["n_heads"]  # before model.kv_channels
+        ours = model_record(self.cfg.model)
+        names = {"kv_heads": "n_kv_heads", "head_dim": "kv_channels"}
+        return [f"model.{names.get(k, k)}: checkpoint {saved[k]!r} vs config {ours[k]!r}"
+                for k in ours if k in saved and saved[k] != ours[k]]
 
     def load_weights(self, path: Path, key: str = "checkpoint.init_from") -> Dict[str, Any]:
         """``checkpoint.init_from``: only the model weights of a verified checkpoint (any layout, e.g. an imported
