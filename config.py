@@ -336,7 +336,9 @@ class DataConfig:
     split: List[float] = field(default_factory=lambda: [0.95, 0.05])
     """Train/validation fractions of each dataset's documents."""
     tokenizer: str = "data/sample/tokenizer.model"
-    """sentencepiece model used to build the data (its vocabulary bounds model.vocab_size)."""
+    """Tokenizer used to build the data: a sentencepiece .model, a Hugging Face tokenizer.json, or a directory holding
+    one (tokenizer.json first, else tokenizer.model). Its vocabulary bounds model.vocab_size; data whose .idx records
+    another tokenizer is refused."""
 
 
 @dataclass

@@ -51,6 +51,7 @@ import numpy as np
 import torch
 
 from data.indexed import DataError, IndexedDataset
+from data.tokenizer import Tokenizer
 
 DATA_ORDER = 2
 """The data order version :func:`build_datasets` produces unless ``seed_names`` asks for version 1."""
@@ -239,6 +240,20 @@ def _combine(datasets: list[GPTDataset], weights: Sequence[float] | None) -> Sam
     return datasets[0] if len(datasets) == 1 else BlendedDataset(datasets, weights)
 
 
+def check_tokenizer(indexed: IndexedDataset, tokenizer: Tokenizer, setting: str = "data.tokenizer") -> None:
+    """Refuse a pair whose index records another tokenizer than ``tokenizer`` (by digest), in one line naming
+    the data, the tokenizer that made it and ``setting`` (where ``tokenizer`` was configured).  Pairs without a
+    record (index versions 1-2, Megatron-LM's) pass: nothing tells which tokenizer made them."""
+    made_by = indexed.tokenizer_info
+    if made_by is None or made_by["digest"] == tokenizer.digest:
+        return
+    raise DataError(
+        f"{indexed.prefix}: made with the {made_by['kind']} tokenizer {made_by['name']!r}, not with "
+        f"{setting}={tokenizer.path} ({tokenizer.kind}, another digest): preprocess the data with {setting}, "
+        f"or set {setting} to the tokenizer that made it"
+    )
+
+
 def content_key(content_sha256: str, part: str) -> int:
     """Data order 2's shuffle key of one part (``"train"``/``"valid"``) of a dataset: the first 8 bytes,
     little-endian, of SHA-256 of ``"<content_sha256>/<part>"``."""
@@ -253,6 +268,7 @@ def build_datasets(
     seed: int,
     vocab_size: int | None = None,
     seed_names: Sequence[str] | None = None,
+    tokenizer: Tokenizer | None = None,
 ) -> tuple[Sampleable, Sampleable | None]:
     """Train and valid sample streams over the ``.bin/.idx`` prefixes ``paths``.
 
@@ -266,7 +282,9 @@ def build_datasets(
     checkpoint written in that order (its paths' basenames).  Valid is ``None``
     when its fraction is 0.  With ``vocab_size``, ids at or above it are
     refused: on opening (from the index's largest id) and in every sample read
-    (corrupted bytes), naming the file.
+    (corrupted bytes), naming the file.  With ``tokenizer`` (the run's
+    ``data.tokenizer``), a file whose index records another tokenizer is
+    refused (:func:`check_tokenizer`).
     """
     if not paths:
         raise DataError("no data paths given")
@@ -280,6 +298,8 @@ def build_datasets(
     for path, d in zip(paths, indexed, strict=True):
         if d.num_docs == 0:
             raise DataError(f"{path}.idx: the dataset is empty (0 documents)")
+        if tokenizer is not None:
+            check_tokenizer(d, tokenizer)
         if vocab_size is not None:
             d.check_vocab(vocab_size)
     dtypes = {path: str(d.dtype) for path, d in zip(paths, indexed, strict=True)}

@@ -5,18 +5,29 @@
 otherwise.  ``<prefix>.idx`` describes the documents (all little-endian)::
 
     magic         8 bytes   b"GPTIDX\\x00\\x00"
-    version       uint64    2
+    version       uint64    3 (2 when no tokenizer is recorded)
     dtype code    uint8     1 = uint16, 2 = int32
     padding       7 bytes   zero
     num_docs      uint64
     total_tokens  uint64
-    max_token_id  int64     largest token id in .bin (-1 when empty); version 2 only
+    max_token_id  int64     largest token id in .bin (-1 when empty); versions 2 and 3
     sizes         int32[num_docs]   document lengths in tokens (EOD included)
     offsets       int64[num_docs]   token offset of each document in .bin
+    record_bytes  uint32    length of the tokenizer record; version 3 only
+    record        UTF-8 JSON object, record_bytes long; version 3 only
+
+Version 3's record names the tokenizer that made the pair (``data/tokenizer.py``'s
+``Tokenizer.info``): ``{"digest", "eod_id", "kind", "name", "vocab_size"}``, written with
+sorted keys and no spaces, where ``kind`` is ``"sentencepiece"`` or ``"huggingface"``,
+``digest`` the tokenizer's sha256 (64 hex digits), ``name`` its file or directory name,
+``vocab_size`` and ``eod_id`` its vocabulary size and end-of-document id.  The file ends
+right after the record.  Training refuses data whose record names another tokenizer than
+``data.tokenizer`` (:attr:`IndexedDataset.tokenizer_info`, ``data/gpt_dataset.py``).
+:class:`IndexedDatasetWriter` writes version 3 when given the record, else version 2.
 
 Version 1 files (no ``max_token_id``) are still read; their largest id is then found
 by scanning the ``.bin`` once, when a vocabulary check asks for it (slow for big
-files: re-run preprocessing to upgrade them).
+files: re-run preprocessing to upgrade them).  Versions 1 and 2 record no tokenizer.
 
 Megatron-LM pairs
 -----------------
@@ -55,19 +66,28 @@ from __future__ import annotations
 
 import array
 import hashlib
+import json
 import os
+import re
 import struct
 import uuid
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from types import TracebackType
+from typing import Any
 
 import numpy as np
 
 MAGIC = b"GPTIDX\x00\x00"
-VERSION = 2
+VERSION = 3
+"""The newest version: 2's layout and a tokenizer record."""
+VERSION_WITHOUT_TOKENIZER = 2
 _HEADER_V1 = struct.Struct("<8sQB7xQQ")  # magic, version, dtype code, pad, num_docs, total_tokens
-_HEADER = struct.Struct("<8sQB7xQQq")  # ... and max_token_id (version 2)
-_HEADERS = {1: _HEADER_V1, 2: _HEADER}
+_HEADER = struct.Struct("<8sQB7xQQq")  # ... and max_token_id (versions 2 and 3)
+_HEADERS = {1: _HEADER_V1, 2: _HEADER, 3: _HEADER}
+_RECORD_LENGTH = struct.Struct("<I")  # version 3: bytes of the tokenizer record that follows
+TOKENIZER_KEYS: dict[str, type] = {"kind": str, "digest": str, "name": str, "vocab_size": int, "eod_id": int}
+"""The fields of a version 3 tokenizer record and their JSON types."""
+TOKENIZER_KINDS = ("sentencepiece", "huggingface")
 _DTYPES: dict[int, np.dtype] = {1: np.dtype("<u2"), 2: np.dtype("<i4")}
 _SIZE_DTYPE = np.dtype("<i4")
 _OFFSET_DTYPE = np.dtype("<i8")
@@ -104,18 +124,62 @@ def _dtype_code_for(vocab_size: int) -> int:
     return 1 if vocab_size < 2**16 else 2
 
 
+def check_tokenizer_record(record: object, where: str) -> dict[str, Any]:
+    """``record`` checked as a version 3 tokenizer record (see the module docstring) and returned as a dict.
+
+    Exactly the :data:`TOKENIZER_KEYS`, each of its JSON type; ``kind`` one of :data:`TOKENIZER_KINDS`;
+    ``digest`` 64 lowercase hex digits; ``name`` not empty; ``vocab_size`` positive and ``eod_id`` inside
+    it.  A problem is a DataError starting with ``where``.
+    """
+    if not isinstance(record, Mapping):
+        raise DataError(f"{where} must be a JSON object, got {type(record).__name__}")
+    record = dict(record)
+    if set(record) != set(TOKENIZER_KEYS):
+        missing, unknown = sorted(set(TOKENIZER_KEYS) - set(record)), sorted(set(record) - set(TOKENIZER_KEYS))
+        raise DataError(f"{where} must hold exactly the keys {sorted(TOKENIZER_KEYS)} (missing {missing}, "
+                        f"unknown {unknown})")
+    for key, kind in TOKENIZER_KEYS.items():
+        if not isinstance(record[key], kind) or isinstance(record[key], bool):
+            raise DataError(f"{where}: {key} must be a{'n' if kind is int else ''} {kind.__name__}, "
+                            f"got {record[key]!r}")
+    if record["kind"] not in TOKENIZER_KINDS:
+        raise DataError(f"{where}: kind must be one of {list(TOKENIZER_KINDS)}, got {record['kind']!r}")
+    if not re.fullmatch(r"[0-9a-f]{64}", record["digest"]):
+        raise DataError(f"{where}: digest must be 64 lowercase hex digits (sha256), got {record['digest']!r}")
+    if not record["name"]:
+        raise DataError(f"{where}: name must not be empty")
+    if record["vocab_size"] <= 0 or not 0 <= record["eod_id"] < record["vocab_size"]:
+        raise DataError(f"{where}: eod_id {record['eod_id']} must lie in [0, vocab_size={record['vocab_size']})")
+    return record
+
+
+def _encode_record(record: dict[str, Any]) -> bytes:
+    """A tokenizer record as stored: UTF-8 JSON, sorted keys, no spaces."""
+    return json.dumps(record, sort_keys=True, separators=(",", ":"), ensure_ascii=False).encode("utf-8")
+
+
 class IndexedDatasetWriter:
     """Streams documents into a new ``<prefix>.bin`` / ``<prefix>.idx`` pair.
 
     Data goes to temporary files next to the destination; :meth:`finalize`
     renames them into place, so the final names never hold a partial pair.
     Used as a context manager, the pair is finalized on success and the
-    temporary files are removed if the block raises.
+    temporary files are removed if the block raises.  With ``tokenizer`` (the
+    record of the tokenizer that made the ids, ``Tokenizer.info`` of
+    ``data/tokenizer.py``; its ``vocab_size`` must be ``vocab_size``) the index
+    is version 3 and keeps it; without, version 2.
     """
 
-    def __init__(self, prefix: str, vocab_size: int) -> None:
+    def __init__(self, prefix: str, vocab_size: int, tokenizer: Mapping[str, Any] | None = None) -> None:
         self.prefix = prefix
         self.vocab_size = vocab_size
+        self._record: bytes | None = None
+        if tokenizer is not None:
+            record = check_tokenizer_record(tokenizer, f"{prefix}: tokenizer record")
+            if record["vocab_size"] != vocab_size:
+                raise DataError(f"{prefix}: the tokenizer record's vocab_size {record['vocab_size']} is not the "
+                                f"writer's {vocab_size}")
+            self._record = _encode_record(record)
         self._dtype_code = _dtype_code_for(vocab_size)
         self._dtype = _DTYPES[self._dtype_code]
         self._sizes = array.array("q")
@@ -154,10 +218,12 @@ class IndexedDatasetWriter:
         self._bin.close()
         sizes = np.array(self._sizes, dtype=np.int64)
         offsets = (np.cumsum(sizes) - sizes).astype(_OFFSET_DTYPE)
-        header = _HEADER.pack(MAGIC, VERSION, self._dtype_code, len(sizes), int(sizes.sum()), self._max_id)
+        version = VERSION_WITHOUT_TOKENIZER if self._record is None else VERSION
+        header = _HEADER.pack(MAGIC, version, self._dtype_code, len(sizes), int(sizes.sum()), self._max_id)
+        record = b"" if self._record is None else _RECORD_LENGTH.pack(len(self._record)) + self._record
         try:
             with open(self._tmp_idx, "wb") as f:
-                f.write(header + sizes.astype(_SIZE_DTYPE).tobytes() + offsets.tobytes())
+                f.write(header + sizes.astype(_SIZE_DTYPE).tobytes() + offsets.tobytes() + record)
             # Drop a stale index first: a reader then sees either no pair or the new one.
             if os.path.exists(self.prefix + ".idx"):
                 os.remove(self.prefix + ".idx")
@@ -200,7 +266,9 @@ class IndexedDataset:
     Reads this project's ``GPTIDX`` pairs and Megatron-LM's ``MMIDIDX`` pairs
     (see the module docstring) behind one interface: ``sizes`` and ``offsets``
     (in tokens) per document, ``dtype``, ``total_tokens``, ``tokens``.
-    ``format`` says which (``"gptidx"`` or ``"megatron"``).  Every structural
+    ``format`` says which (``"gptidx"`` or ``"megatron"``).  ``tokenizer_info``
+    is the tokenizer record of a version 3 index (a dict, see the module
+    docstring), None for older versions and Megatron-LM pairs.  Every structural
     property of the pair is checked on open; any problem raises
     :class:`DataError` naming the offending file.
     """
@@ -217,6 +285,7 @@ class IndexedDataset:
         start = idx[: len(MEGATRON_MAGIC)].tobytes()
         self._max_token_id: int | None = None  # None: scanned from .bin when asked
         self._content_sha256: str | None = None  # computed when asked
+        self.tokenizer_info: dict[str, Any] | None = None  # version 3 only
         if start == MEGATRON_MAGIC:
             self.format = "megatron"
             self._open_megatron(idx, idx_path, bin_path)
@@ -260,18 +329,39 @@ class IndexedDataset:
         self._max_token_id = rest[0] if rest else None  # version 1: scanned when asked
         if code not in _DTYPES:
             raise DataError(f"{idx_path}: unknown dtype code {code} (known: {sorted(_DTYPES)})")
-        expected = header.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
+        offsets_end = header.size + num_docs * (_SIZE_DTYPE.itemsize + _OFFSET_DTYPE.itemsize)
+        expected = offsets_end
+        if version == 3:
+            expected += _RECORD_LENGTH.size
+            if idx_bytes >= expected:
+                expected += _RECORD_LENGTH.unpack(idx[offsets_end:expected].tobytes())[0]
         if idx_bytes != expected:
-            raise DataError(
-                f"{idx_path}: {idx_bytes} bytes, expected {expected} for {num_docs} documents"
-            )
+            what = f"{num_docs} documents" + (" and the tokenizer record" if version == 3 else "")
+            raise DataError(f"{idx_path}: {idx_bytes} bytes, expected {expected} for {what}")
 
         sizes_end = header.size + num_docs * _SIZE_DTYPE.itemsize
         self.sizes: np.ndarray = idx[header.size : sizes_end].view(_SIZE_DTYPE)
-        self.offsets: np.ndarray = idx[sizes_end:].view(_OFFSET_DTYPE)
+        self.offsets: np.ndarray = idx[sizes_end:offsets_end].view(_OFFSET_DTYPE)
         self.dtype: np.dtype = _DTYPES[code]
         self.total_tokens: int = total_tokens
         self._check_index(idx_path)
+        if version == 3:
+            self.tokenizer_info = self._read_record(idx[offsets_end + _RECORD_LENGTH.size :].tobytes(), idx_path)
+            vocab_size = self.tokenizer_info["vocab_size"]
+            if code != _dtype_code_for(vocab_size) or self._max_token_id >= vocab_size:
+                raise DataError(
+                    f"{idx_path}: the tokenizer record's vocab_size {vocab_size} does not fit the index "
+                    f"(dtype code {code}, largest token id {self._max_token_id})"
+                )
+
+    @staticmethod
+    def _read_record(raw: bytes, idx_path: str) -> dict[str, Any]:
+        """The tokenizer record of a version 3 index, parsed and checked."""
+        try:
+            record = json.loads(raw.decode("utf-8"))
+        except (UnicodeDecodeError, json.JSONDecodeError) as err:
+            raise DataError(f"{idx_path}: the tokenizer record is not valid UTF-8 JSON ({err})") from err
+        return check_tokenizer_record(record, f"{idx_path}: the tokenizer record")
 
     def _open_megatron(self, idx: np.ndarray, idx_path: str, bin_path: str) -> None:
         """Parse and check a Megatron-LM ``MMIDIDX`` index; documents group their sequences."""

@@ -8,16 +8,28 @@ Accepted inputs (local files only; the hub is never contacted):
 * ``.txt`` (optionally ``.gz``): one document per line (the ``datasets`` "text"
   builder); the text is always its ``text`` column, whatever ``text_key``.
 
-Each document becomes ``tokenizer.encode(text) + [eod]``; documents that are
-empty or whitespace only are skipped and counted.  Documents are written in
-input order (files in the order given, rows in file order) regardless of the
-number of worker processes, so the output is byte-identical for any
-``workers``.
+The tokenizer is anything ``data/tokenizer.py``'s ``load_tokenizer`` reads: a
+sentencepiece ``.model``, a Hugging Face ``tokenizer.json`` or a model directory
+holding one of them.  Each document becomes ``tokenizer.encode(text) + [eod]``
+(a Hugging Face tokenizer's ``encode`` applies its post-processor, e.g. a bos
+in front; when that post-processor already ends every encoding with the eod
+id, no second one is appended); documents that are empty or whitespace only
+are skipped and counted.  The ``.idx`` records the tokenizer (index version 3,
+``data/indexed.py``), which training checks against ``data.tokenizer``.
+
+Documents are written in input order (files in the order given, rows in file
+order) regardless of the number of worker processes, so the output is
+byte-identical for any ``workers``.  A process loads the tokenizer at most
+once (forked workers inherit the parent's).  With more than one worker,
+``TOKENIZERS_PARALLELISM=false`` is set while preprocessing runs (and restored
+after): the workers are forked, and a fork after the ``tokenizers`` thread pool
+has run can deadlock (the workers are the parallelism then).
 
 Command line::
 
     python -m data.preprocess --input a.jsonl b.parquet --output-prefix out/corpus \\
         --tokenizer tok.model --workers 4
+    python -m data.preprocess --input a.jsonl --output-prefix out/corpus --tokenizer path/to/llama3
 """
 
 from __future__ import annotations
@@ -29,6 +41,7 @@ os.environ["HF_DATASETS_OFFLINE"] = "1"
 os.environ["HF_HUB_OFFLINE"] = "1"
 
 import argparse
+import contextlib
 import functools
 import itertools
 import tempfile
@@ -39,7 +52,7 @@ import numpy as np
 import pyarrow as pa
 
 from data.indexed import DataError, IndexedDatasetWriter
-from data.tokenizer import Tokenizer
+from data.tokenizer import Tokenizer, load_tokenizer
 
 _BUILDERS = {
     ".jsonl": "json",
@@ -62,8 +75,25 @@ def builder_for(path: str) -> str:
 
 @functools.cache
 def _load_tokenizer(path: str) -> Tokenizer:
-    """One tokenizer per process: SentencePiece objects are not shipped between workers."""
-    return Tokenizer(path)
+    """One tokenizer per process: tokenizer objects are not shipped between workers."""
+    return load_tokenizer(path)
+
+
+@contextlib.contextmanager
+def _tokenizers_parallelism(enabled: bool) -> Iterator[None]:
+    """``TOKENIZERS_PARALLELISM`` set to false inside the block unless ``enabled``; restored afterwards."""
+    if enabled:
+        yield
+        return
+    before = os.environ.get("TOKENIZERS_PARALLELISM")
+    os.environ["TOKENIZERS_PARALLELISM"] = "false"
+    try:
+        yield
+    finally:
+        if before is None:
+            del os.environ["TOKENIZERS_PARALLELISM"]
+        else:
+            os.environ["TOKENIZERS_PARALLELISM"] = before
 
 
 def _tokenize_batch(
@@ -72,7 +102,7 @@ def _tokenize_batch(
     """``datasets.map`` function: texts to id lists; empty documents give ``[]``."""
     tokenizer = _load_tokenizer(tokenizer_path)
     texts = [text if text and not text.isspace() else "" for text in batch[text_key]]
-    suffix = [tokenizer.eod_id] if append_eod else []
+    suffix = [tokenizer.eod_id] if append_eod and not tokenizer.appends_eod else []
     return {
         "input_ids": [
             ids + suffix if text else []
@@ -131,9 +161,10 @@ def preprocess(
 ) -> dict[str, int]:
     """Tokenize ``inputs`` into ``<output_prefix>.bin`` / ``.idx``.
 
-    Returns ``{"docs": written documents, "tokens": written tokens,
-    "empty_docs": skipped empty documents}``.  Nothing is written under the
-    output names unless every input was processed.
+    ``tokenizer_path`` is a sentencepiece ``.model``, a ``tokenizer.json`` or a
+    directory holding one.  Returns ``{"docs": written documents, "tokens":
+    written tokens, "empty_docs": skipped empty documents}``.  Nothing is
+    written under the output names unless every input was processed.
     """
     for path in inputs:
         if not os.path.isfile(path):
@@ -142,8 +173,9 @@ def preprocess(
     tokenizer = _load_tokenizer(tokenizer_path)
     stats = {"docs": 0, "tokens": 0, "empty_docs": 0}
     with (
+        _tokenizers_parallelism(workers <= 1),
         tempfile.TemporaryDirectory(prefix="preprocess-cache-") as cache_dir,
-        IndexedDatasetWriter(output_prefix, tokenizer.vocab_size) as writer,
+        IndexedDatasetWriter(output_prefix, tokenizer.vocab_size, tokenizer=tokenizer.info) as writer,
     ):
         for path in inputs:
             documents = _tokenized_documents(
@@ -169,10 +201,12 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--input", nargs="+", required=True, help=".jsonl/.json/.parquet/.txt")
     parser.add_argument("--output-prefix", required=True, help="writes <prefix>.bin/.idx")
-    parser.add_argument("--tokenizer", required=True, help="SentencePiece .model file")
+    parser.add_argument("--tokenizer", required=True,
+                        help="sentencepiece .model, tokenizer.json, or a directory holding one")
     parser.add_argument("--text-key", default="text", help="field holding the document text")
     parser.add_argument("--workers", type=int, default=1, help="tokenizer processes")
-    parser.add_argument("--no-eod", action="store_true", help="do not append the EOD token")
+    parser.add_argument("--no-eod", action="store_true",
+                        help="do not append the EOD token (one the tokenizer's post-processor adds stays)")
     args = parser.parse_args(argv)
     stats = preprocess(
         args.input,

@@ -1,16 +1,24 @@
-"""Export a checkpoint as a Hugging Face Llama directory that ``transformers`` loads with ``from_pretrained``.
+"""Export a checkpoint as a Hugging Face Llama, Qwen2 or Mistral directory that ``transformers`` loads with
+``from_pretrained``.
 
     python scripts/export_hf.py --checkpoint RUN_OR_STEP_DIR --output DIR [--dtype float32|bfloat16|float16]
                                 [--max-shard-size 5GB] [--tokenizer PATH | --no-tokenizer] [--force]
+                                [--model-type llama|qwen2|mistral]
 
 ``--checkpoint`` is one checkpoint (``.../step_00000200``), a checkpoint root (its newest valid checkpoint)
 or a run directory holding ``checkpoints/``, written at any layout (tp, pp, dp, any ZeRO stage, fp8):
 checkpoints hold every parameter under its global name and shape, read here in one process with
-``torch.distributed.checkpoint`` (no process group). ``DIR`` receives ``config.json``, the weights as
-``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards plus ``model.safetensors.index.json``
-when larger than ``--max-shard-size``) and the tokenizer (our sentencepiece ``tokenizer.model``,
-``tokenizer_config.json``, ``special_tokens_map.json``, and ``tokenizer.json`` when transformers is
-installed). A model Llama cannot express (``model.activation=gelu``, ``model.norm=layernorm``) is refused
+``torch.distributed.checkpoint`` (no process group). The family is ``--model-type``, else the checkpoint's
+``model.hf_model_type`` (an import sets it), else Qwen2 for q/k/v-only biases and Llama otherwise. ``DIR``
+receives ``config.json``, the weights as ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards
+plus ``model.safetensors.index.json`` when larger than ``--max-shard-size``) and the tokenizer: for our
+sentencepiece model ``tokenizer.model``, ``tokenizer_config.json``, ``special_tokens_map.json``, and
+``tokenizer.json`` when transformers is installed; for a Hugging Face tokenizer its ``tokenizer.json`` with the
+``tokenizer_config.json`` / ``special_tokens_map.json`` beside it (a minimal config naming its bos/eos tokens
+when it has none). With transformers installed, the exported tokenizer is loaded back with ``AutoTokenizer``
+and must encode a few probe texts as ours does, else the export is refused (transformers 5 rebuilds Qwen2's
+tokenizer in code as byte-level BPE: a sentencepiece tokenizer cannot travel as Qwen2). A model the family
+cannot express (``model.activation=gelu``, ``model.norm=layernorm``, biases Qwen2 or Mistral lack) is refused
 with one line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
 The export is written into a temporary directory and moved into ``DIR`` only when complete, so a failed
 export (bad checkpoint or tokenizer, full disk) leaves ``DIR`` as it was, a previous export included;
@@ -121,36 +129,49 @@ def write_weights(tensors: Dict[str, torch.Tensor], out: Path, max_bytes: int) -
 
 
 def resolve_tokenizer(name: str, override: str | None) -> Path:
-    """The sentencepiece model: --tokenizer, or the checkpoint's data.tokenizer (as given, or under the repo)."""
-    from data.tokenizer import find_model_file
-    found = find_model_file(name, override)
+    """The tokenizer: --tokenizer, or the checkpoint's data.tokenizer (as given, or under the repo); a sentencepiece
+    model, a ``tokenizer.json`` or a directory holding one."""
+    from data.tokenizer import find_tokenizer
+    found = find_tokenizer(name, override)
     if found is not None:
         return found
     raise HFError(f"tokenizer {override or name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
 
 
-def check_tokenizer(model_file: Path, vocab_size: int) -> None:
-    """HFError unless ``model_file`` is a sentencepiece model whose ids fit the model's vocabulary."""
+def check_tokenizer(path: Path, vocab_size: int):
+    """The loaded tokenizer; HFError unless it loads and its ids fit the model's vocabulary."""
     from data.indexed import DataError
-    from data.tokenizer import Tokenizer
+    from data.tokenizer import load_tokenizer
 
     try:
-        tok = Tokenizer(str(model_file))
+        tok = load_tokenizer(str(path))
     except DataError as e:
         raise HFError(f"tokenizer {e}") from None
     if tok.vocab_size > vocab_size:
-        raise HFError(f"tokenizer {model_file} has {tok.vocab_size} tokens but the model's vocabulary has "
+        raise HFError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocabulary has "
                       f"{vocab_size} rows")
+    return tok
 
 
-def write_tokenizer(model_file: Path, out: Path, vocab_size: int, max_positions: int) -> Tuple[int, int]:
+def write_tokenizer(tok, out: Path, max_positions: int) -> Tuple[int | None, int]:
+    """The tokenizer's files in ``out`` as transformers reads them; returns the (bos, eos) ids for config.json
+    (bos None when the tokenizer has none)."""
+    if tok.kind == "sentencepiece":
+        return _write_sentencepiece(tok, Path(tok.model_path), out, max_positions)
+    names = {Path(tok.model_path): "tokenizer.json"}
+    for path in map(Path, tok.files[1:]):
+        names[path] = path.name
+    for path, name in names.items():
+        shutil.copyfile(path, out / name)
+    if not (out / "tokenizer_config.json").exists():  # transformers needs no more than the file and its specials
+        config = {"tokenizer_class": "PreTrainedTokenizerFast", "bos_token": tok.bos_token,
+                  "eos_token": tok.eos_token, "clean_up_tokenization_spaces": False, "model_max_length": max_positions}
+        (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2, ensure_ascii=False) + "\n")
+    return (tok.bos_id if tok.bos_id >= 0 else None), tok.eod_id
+
+
+def _write_sentencepiece(tok, model_file: Path, out: Path, max_positions: int) -> Tuple[int, int]:
     """tokenizer.model (ours, copied) and the files transformers' LlamaTokenizer reads; returns (bos, eos) ids."""
-    from data.tokenizer import Tokenizer
-
-    tok = Tokenizer(str(model_file))
-    if tok.vocab_size > vocab_size:
-        raise HFError(f"tokenizer {model_file} has {tok.vocab_size} tokens but the model's vocabulary has "
-                      f"{vocab_size} rows")
     shutil.copyfile(model_file, out / "tokenizer.model")
     piece = tok._sp.id_to_piece
     special = {"bos_token": piece(tok.bos_id), "eos_token": piece(tok.eod_id), "unk_token": piece(tok._sp.unk_id())}
@@ -170,6 +191,31 @@ def write_tokenizer(model_file: Path, out: Path, vocab_size: int, max_positions:
             config["tokenizer_class"] = "PreTrainedTokenizerFast"
             (out / "tokenizer_config.json").write_text(json.dumps(config, indent=2) + "\n")
     return tok.bos_id, tok.eod_id
+
+
+PROBES = ("The function returns 12345 values, doesn't it?", "  two leading spaces", "tabs\tand\nnew lines\n\n",
+          "x=1;y=22;z=333", "Tiếng Việt, 中文, emoji 🙂")
+"""Texts the exported tokenizer must encode as ours does: digits, contractions, whitespace runs, non-Latin text."""
+
+
+def verify_tokenizer(out: Path, tok, family: str) -> None:
+    """Load the export's tokenizer with transformers' AutoTokenizer (when installed) and refuse the export if it
+    encodes any of PROBES otherwise than ``tok``: transformers 5 rebuilds some families' tokenizers in code (Qwen2's
+    as byte-level BPE with its own pre-tokenizer), which would silently not be the tokenizer the model learned."""
+    try:
+        from transformers import AutoTokenizer
+    except ImportError:
+        return
+    loaded = AutoTokenizer.from_pretrained(str(out))
+    specials = tok.kind == "huggingface"  # our HF tokenizers apply the file's post-processor, as AutoTokenizer does
+    for text in PROBES:
+        theirs = loaded(text, add_special_tokens=specials)["input_ids"]
+        ours = tok.encode(text)
+        if theirs != ours:
+            raise HFError(f"transformers loads the exported tokenizer as {type(loaded).__name__}, which encodes "
+                          f"{text!r} as {theirs[:8]}... where {tok.model_path} gives {ours[:8]}...: a {tok.kind} "
+                          f"tokenizer does not survive export as {ARCHITECTURES[family]} (pass --model-type llama, "
+                          "or --no-tokenizer)")
 
 
 def _always_prefix_a_space(model_file: Path, tokenizer_json: Path) -> bool:
@@ -247,7 +293,7 @@ def _publish(staging: Path, out: Path) -> None:
 def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
            tokenizer: str | None = None, no_tokenizer: bool = False, force: bool = False,
            model_type: str | None = None) -> Dict[str, Any]:
-    """Write the Llama directory; returns a summary (checkpoint, step, files).
+    """Write the Hugging Face directory; returns a summary (checkpoint, step, files).
 
     Everything is read and checked first (checkpoint, settings, tokenizer), then the whole export is written into
     a temporary directory and moved into ``out`` only once complete: a failure at any point (a bad tokenizer or
@@ -273,16 +319,17 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
         raise HFError(f"--output {out} is not empty (pass --force to write into it)")
     m = model_config(settings)
     tok_file = None if no_tokenizer else resolve_tokenizer(config.get("data", {}).get("tokenizer", ""), tokenizer)
-    if tok_file is not None:
-        check_tokenizer(tok_file, m.vocab_size)
+    tok = check_tokenizer(tok_file, m.vocab_size) if tok_file is not None else None
     tensors = to_hf(read_model_tensors(step_dir), settings)
     tensors = {k: t.to(DTYPES[dtype]) for k, t in tensors.items()}
     staging = _staging_dir(out)
     try:
         files = write_weights(tensors, staging, max_bytes)
-        bos, eos = write_tokenizer(tok_file, staging, m.vocab_size, m.max_positions) if tok_file else (None, None)
+        bos, eos = write_tokenizer(tok, staging, m.max_positions) if tok is not None else (None, None)
         config_json = hf_config(settings, dtype=dtype, bos_id=bos, eos_id=eos, model_type=family)
         (staging / "config.json").write_text(json.dumps(config_json, indent=2) + "\n")
+        if tok is not None:
+            verify_tokenizer(staging, tok, family)
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos})
                                                         + "\n")
         _publish(staging, out)
@@ -295,10 +342,11 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--checkpoint", required=True, help="checkpoint dir, checkpoint root or run dir")
-    p.add_argument("--output", required=True, help="directory to write the Llama model into")
+    p.add_argument("--output", required=True, help="directory to write the Hugging Face model into")
     p.add_argument("--dtype", choices=sorted(DTYPES), default="float32", help="dtype of the saved weights")
     p.add_argument("--max-shard-size", default="5GB", help="largest weights file before sharding (e.g. 5GB, 500MB)")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's data.tokenizer)")
+    p.add_argument("--tokenizer", help="sentencepiece model, tokenizer.json or a directory holding one (default: "
+                                       "the checkpoint's data.tokenizer)")
     p.add_argument("--no-tokenizer", action="store_true", help="write the model only (config and weights)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --output")
     p.add_argument("--model-type", choices=sorted(ARCHITECTURES),

@@ -12,7 +12,10 @@ default, none of which changes the model's forward pass. Checkpoints hold every 
 under its global name and shape, so one written at any layout, ZeRO++ and fp8 included,
 loads. On CPU the model runs in fp32; on CUDA in the checkpoint's precision, except that an
 fp8 checkpoint samples in bf16 (FP8 GEMMs speed up training; the weights are high precision).
-Temperature 0 (or top-k 1) is greedy decoding. The prompt and its continuation go to stdout,
+Temperature 0 (or top-k 1) is greedy decoding. The tokenizer (the checkpoint's data.tokenizer, or --tokenizer) is
+anything data/tokenizer.py reads: a sentencepiece .model, a Hugging Face tokenizer.json, or a directory holding one;
+a prompt is encoded as in preprocessing (a Hugging Face post-processor's bos included), without an eos the
+post-processor may append, so that the model continues it. The prompt and its continuation go to stdout,
 progress to stderr. Every bad input (a missing or empty directory, no valid checkpoint, an
 unreadable meta.json or tokenizer, bad option values) stops with one line and exit code 2.
 """
@@ -96,12 +99,13 @@ def build_config(meta: Dict[str, Any], device: str, source: Path = Path("meta.js
 
 
 def resolve_tokenizer(name: str, override: str | None) -> Path:
-    from data.tokenizer import find_model_file
-    found = find_model_file(name, override)
+    """The tokenizer file or directory: --tokenizer, or the checkpoint's data.tokenizer (as given or under the repo)."""
+    from data.tokenizer import find_tokenizer
+    found = find_tokenizer(name, override)
     if found is not None:
         return found
     if override:
-        raise GenerateError(f"--tokenizer {override} is not a file")
+        raise GenerateError(f"--tokenizer {override} is not a file or directory")
     raise GenerateError(f"tokenizer {name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
 
 
@@ -134,11 +138,12 @@ def main(argv=None) -> int:
     p.add_argument("--top-k", type=int, default=50, help="sample among the k most likely tokens (0 = all)")
     p.add_argument("--seed", type=int, default=1234)
     p.add_argument("--device", choices=["cpu", "cuda"], default="cuda" if torch.cuda.is_available() else "cpu")
-    p.add_argument("--tokenizer", help="sentencepiece model (default: the checkpoint's data.tokenizer)")
+    p.add_argument("--tokenizer", help="sentencepiece .model, tokenizer.json or a directory holding one "
+                                        "(default: the checkpoint's data.tokenizer)")
     args = p.parse_args(argv)
     check_options(args)
 
-    from data.tokenizer import Tokenizer
+    from data.tokenizer import load_tokenizer
     from parallel.launch import LaunchEnv, init_distributed
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
@@ -150,7 +155,7 @@ def main(argv=None) -> int:
         raise GenerateError("--device cuda was requested but CUDA is not available")
     path = find_checkpoint(Path(args.checkpoint), "sampling")
     cfg = build_config(read_meta(path), args.device, path / "meta.json")
-    tok = Tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
+    tok = load_tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
     if tok.vocab_size > cfg.model.vocab_size:
         raise GenerateError(f"tokenizer {tok.model_path} has {tok.vocab_size} tokens but the model's vocabulary "
                             f"has {cfg.model.vocab_size} rows (model.vocab_size): not the tokenizer it was trained "
@@ -166,6 +171,8 @@ def main(argv=None) -> int:
 
         model = engine.chunks[0].eval()
         prompt_ids = tok.encode(args.prompt)
+        if tok.appends_eod and prompt_ids and prompt_ids[-1] == tok.eod_id:
+            prompt_ids = prompt_ids[:-1]  # a prompt is continued, not ended
         ids = list(prompt_ids) or [tok.eod_id]  # an empty prompt starts a document, as after an EOD in training
         gen = torch.Generator(device=device).manual_seed(args.seed)
         new: list[int] = []
@@ -182,7 +189,7 @@ def main(argv=None) -> int:
         if owned:
             torch.distributed.destroy_process_group()
 
-    # decode the whole sequence (sentencepiece joins pieces by context), then print the prompt as given
+    # decode the whole sequence (tokenizers join pieces by context), then print the prompt as given
     text, prompt_text = tok.decode(prompt_ids + new), tok.decode(prompt_ids)
     continuation = text[len(prompt_text):] if text.startswith(prompt_text) else tok.decode(new)
     print(args.prompt + continuation, flush=True)

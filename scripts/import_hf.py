@@ -1,4 +1,4 @@
-"""Import a Hugging Face Llama directory as a checkpoint that train.py starts from (``checkpoint.init_from``).
+"""Import a Hugging Face Llama, Qwen2 or Mistral directory as a checkpoint train.py starts from (``checkpoint.init_from``).
 
     python scripts/import_hf.py --model DIR --output CHECKPOINT_DIR [--force]
 
@@ -7,11 +7,14 @@
 grouped-query attention (``num_key_value_heads`` < ``num_attention_heads``) included. ``CHECKPOINT_DIR``
 becomes one checkpoint of this repository (``torch.distributed.checkpoint`` files with every parameter
 under its global name and shape, ``meta.json`` at step 0, ``manifest.json``), so any layout (tp, pp, dp,
-ZeRO stages, fp8) loads it. Next to it: ``model.yaml``, the ``model.*`` settings the Llama implies plus
-``checkpoint.init_from`` (and ``data.tokenizer`` when DIR has a ``tokenizer.model``), usable as
-``--config`` or merged into one; the train command is printed.
+ZeRO stages, fp8) loads it. Next to it: ``model.yaml``, the ``model.*`` settings the model implies plus
+``checkpoint.init_from`` (and ``data.tokenizer`` when DIR has a tokenizer), usable as ``--config`` or merged
+into one; the train command is printed. The tokenizer files (``tokenizer.model``, ``tokenizer.json``,
+``tokenizer_config.json``, ``special_tokens_map.json``, whichever DIR has) are copied next to the checkpoint;
+``data.tokenizer`` names the sentencepiece model where there is one, else ``tokenizer.json``.
 
-A Llama we cannot express (rope scaling, head_dim != hidden_size / heads, hidden_act other than silu,
+Llama (Llama 3.x's ``llama3`` RoPE scaling included), Qwen2 (Qwen2.5) and Mistral models import; what we
+cannot express (other RoPE types, sliding windows, QK-norm, mixtures of experts, hidden_act other than silu,
 attention_bias != mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong
 shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused
 unless ``--force``. config.json's fields are checked by type and range before anything else (a string
@@ -28,9 +31,11 @@ import sys
 import time
 import warnings
 from pathlib import Path
-from typing import Any, Dict
+from typing import Any, Dict, List
 
 ROOT = Path(__file__).resolve().parents[1]
+TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
+"""Tokenizer files copied next to the checkpoint, in the order data.tokenizer prefers them."""
 sys.path.insert(0, str(ROOT))  # the application runs from the repository root (like Megatron-LM)
 
 import torch  # noqa: E402
@@ -91,6 +96,27 @@ def read_weights(model_dir: Path) -> Dict[str, torch.Tensor]:
                   "pytorch_model.bin or pytorch_model.bin.index.json)")
 
 
+def read_tokenizer(model_dir: Path, vocab_size: int) -> List[str]:
+    """The tokenizer files of DIR to copy next to the checkpoint, the one ``data.tokenizer`` names first: a
+    sentencepiece ``tokenizer.model`` where DIR has one (Llama 2, Mistral: its ``tokenizer.json`` is a conversion of
+    it), else ``tokenizer.json`` (Llama 3, Qwen2.5), then ``tokenizer_config.json`` / ``special_tokens_map.json``.
+    Empty when DIR has no tokenizer. The tokenizer is loaded first: an unreadable one, or one with more tokens than
+    the model has embedding rows, is an HFError."""
+    from data.indexed import DataError
+    from data.tokenizer import load_tokenizer
+
+    names = [n for n in TOKENIZER_FILES if (model_dir / n).is_file()]
+    if not names or names[0] not in ("tokenizer.model", "tokenizer.json"):
+        return []
+    try:
+        tok = load_tokenizer(str(model_dir / names[0]))
+    except DataError as e:
+        raise HFError(f"tokenizer: {e}") from None
+    if tok.vocab_size > vocab_size:
+        raise HFError(f"{model_dir / names[0]} has {tok.vocab_size} tokens but config.json's vocab_size is {vocab_size}")
+    return names
+
+
 def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], out: Path, source: Path,
                      tokenizer: Path | None) -> None:
     """A step-0 checkpoint of the model weights only (what ``checkpoint.init_from`` reads), as train.py writes
@@ -110,7 +136,7 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
             "model": model, "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1},
             "data": None, "fp8": None, "weights_only": True, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}
     (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-    extras = ("manifest.json", "model.yaml", "tokenizer.model")  # next to the checkpoint, not part of it
+    extras = ("manifest.json", "model.yaml", *TOKENIZER_FILES)  # next to the checkpoint, not part of it
     files = {p.name: file_digest(p) for p in sorted(out.iterdir()) if p.is_file() and p.name not in extras}
     (out / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1,
                                                   sort_keys=True))
@@ -121,7 +147,7 @@ def model_yaml(settings: Dict[str, Any], out: Path, tokenizer: Path | None) -> s
     doc: Dict[str, Any] = {"model": dict(settings), "checkpoint": {"init_from": str(out)}}
     if tokenizer is not None:
         doc["data"] = {"tokenizer": str(tokenizer)}
-    header = ("# Written by scripts/import_hf.py: the model.* settings of the imported Llama; train.py starts from\n"
+    header = ("# Written by scripts/import_hf.py: the model.* settings of the imported model; train.py starts from\n"
               "# its weights (checkpoint.init_from, fresh optimizer, step 0). Set data.paths to data tokenized with\n"
               "# data.tokenizer; seq_len may be anything up to max_seq_len.\n")
     return header + yaml.safe_dump(doc, sort_keys=False)
@@ -135,12 +161,14 @@ def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, A
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HFError(f"--output {out} is not empty (pass --force to write into it)")
     tensors = from_hf(read_weights(model_dir), settings)
+    tokenizer_files = read_tokenizer(model_dir, settings["vocab_size"])
     out = out.resolve()
     out.mkdir(parents=True, exist_ok=True)
     tokenizer = None
-    if (model_dir / "tokenizer.model").is_file():
-        tokenizer = out / "tokenizer.model"
-        shutil.copyfile(model_dir / "tokenizer.model", tokenizer)
+    for name in tokenizer_files:
+        shutil.copyfile(model_dir / name, out / name)
+    if tokenizer_files:  # what data.tokenizer names: sentencepiece's model where there is one (see read_tokenizer)
+        tokenizer = out / tokenizer_files[0]
     write_checkpoint(tensors, settings, out, model_dir.resolve(), tokenizer)
     (out / "model.yaml").write_text(model_yaml(settings, out, tokenizer))
     return settings

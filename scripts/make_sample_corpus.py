@@ -11,6 +11,9 @@ Outputs in ``--output-dir`` (default ``data/sample``):
 * ``corpus.jsonl.gz`` - the documents, one ``{"text": ...}`` per line;
 * ``tokenizer.model`` - SentencePiece BPE model, vocabulary 4096;
 * ``sample_text_document.bin/.idx`` - the tokenized corpus;
+* ``bpe/tokenizer.json`` + ``bpe/tokenizer_config.json`` - a Hugging Face byte-level BPE,
+  vocabulary 4096 (``data.tokenizer.train_hf_tokenizer``);
+* ``bpe_text_document.bin/.idx`` - the corpus tokenized with it;
 * ``README.md`` - provenance and counts.
 
 Docstrings vary between Python versions, so the committed files, not this
@@ -35,7 +38,7 @@ from collections.abc import Iterator
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
 from data.preprocess import preprocess
-from data.tokenizer import train_tokenizer
+from data.tokenizer import train_hf_tokenizer, train_tokenizer
 
 MODULES = sorted(
     """
@@ -161,13 +164,19 @@ def write_corpus(path: str, documents: list[str]) -> None:
             gz.write((json.dumps({"text": text}, ensure_ascii=False) + "\n").encode("utf-8"))
 
 
-def write_readme(out_dir: str, documents: list[str], stats: dict[str, int]) -> None:
+def write_readme(
+    out_dir: str, documents: list[str], stats: dict[str, int], bpe_stats: dict[str, int]
+) -> None:
     """Describe where the corpus comes from and what the files hold."""
     files = [
         "corpus.jsonl.gz",
         "tokenizer.model",
         "sample_text_document.bin",
         "sample_text_document.idx",
+        "bpe/tokenizer.json",
+        "bpe/tokenizer_config.json",
+        "bpe_text_document.bin",
+        "bpe_text_document.idx",
     ]
     sizes = "\n".join(
         f"| `{name}` | {os.path.getsize(os.path.join(out_dir, name)):,} |" for name in files
@@ -199,12 +208,21 @@ duplicates are dropped. Texts are cut at paragraph breaks into documents of abou
   (`data/tokenizer.py`).
 * `sample_text_document.bin/.idx`: the corpus tokenized by `data/preprocess.py`,
   {stats["docs"]:,} documents, {stats["tokens"]:,} tokens including one EOD per document
-  (uint16 ids).
+  (uint16 ids); the index (version 3) records `tokenizer.model`.
+* `bpe/tokenizer.json`, `bpe/tokenizer_config.json`: a Hugging Face byte-level BPE
+  (the `tokenizers` library), vocabulary {VOCAB_SIZE}, `<|endoftext|>`=0 (end of document,
+  no bos), trained on the whole corpus by `data.tokenizer.train_hf_tokenizer`
+  (`python -m data.tokenizer --input corpus.jsonl.gz --huggingface bpe --vocab-size {VOCAB_SIZE}`);
+  `transformers.AutoTokenizer.from_pretrained("data/sample/bpe")` loads it.
+* `bpe_text_document.bin/.idx`: the corpus tokenized with `bpe/` by `data/preprocess.py`
+  (`--tokenizer data/sample/bpe`), {bpe_stats["docs"]:,} documents, {bpe_stats["tokens"]:,} tokens
+  including one EOD per document (uint16 ids); the index records `bpe`.
+  Train on it with `data.paths=[data/sample/bpe_text_document] data.tokenizer=data/sample/bpe`.
 
 Docstrings differ between Python versions, so rerunning the script elsewhere may
 give different files; the committed files are the reference. The tests check that
 preprocessing `corpus.jsonl.gz` with `tokenizer.model` reproduces the `.bin/.idx`
-byte for byte.
+byte for byte, and the same for `bpe/` (trained again) and `bpe_text_document.bin/.idx`.
 """
     with open(os.path.join(out_dir, "README.md"), "w", encoding="utf-8") as f:
         f.write(text)
@@ -222,8 +240,10 @@ def main(argv: list[str] | None = None) -> None:
     write_corpus(corpus, documents)
     model = train_tokenizer([corpus], os.path.join(out_dir, "tokenizer"), VOCAB_SIZE)
     stats = preprocess([corpus], os.path.join(out_dir, "sample_text_document"), model)
-    write_readme(out_dir, documents, stats)
-    print(f"{len(documents)} documents, {sum(map(len, documents))} characters, {stats}")
+    bpe = train_hf_tokenizer([corpus], os.path.join(out_dir, "bpe"), VOCAB_SIZE)
+    bpe_stats = preprocess([corpus], os.path.join(out_dir, "bpe_text_document"), bpe)
+    write_readme(out_dir, documents, stats, bpe_stats)
+    print(f"{len(documents)} documents, {sum(map(len, documents))} characters, {stats}, byte-level BPE {bpe_stats}")
 
 
 if __name__ == "__main__":

@@ -117,7 +117,7 @@ def bad_magic(prefix: Path) -> Path:
 
 
 def bad_version(prefix: Path) -> Path:
-    patch(prefix.with_suffix(".idx"), 8, struct.pack("<Q", 3))
+    patch(prefix.with_suffix(".idx"), 8, struct.pack("<Q", 4))
     return prefix.with_suffix(".idx")
 
 
@@ -154,7 +154,7 @@ def missing_bin(prefix: Path) -> Path:
         (truncate_bin, "truncated file or mismatched pair"),
         (truncate_idx, "expected"),
         (bad_magic, "bad magic"),
-        (bad_version, "unsupported version 3"),
+        (bad_version, "unsupported version 4"),
         (bad_dtype, "unknown dtype code 7"),
         (bad_total, "total_tokens=1000000"),
         (bad_offset, "offset of document 1"),

@@ -46,9 +46,53 @@ EXPECTED = {  # what the import must set (beyond sizes), per family
 }
 
 
+CORPUS = ROOT / "data" / "sample" / "corpus.jsonl.gz"
+# Qwen2's pre-tokenizer split (letters with one leading non-letter, single digits, punctuation runs, newlines,
+# spaces), which transformers' Qwen2Tokenizer rebuilds in code around any Qwen2 vocabulary.
+QWEN2_SPLIT = (r"(?i:'s|'t|'re|'ve|'m|'ll|'d)|[^\r\n\p{L}\p{N}]?\p{L}+|\p{N}| ?[^\s\p{L}\p{N}]+[\r\n]*|"
+               r"\s*[\r\n]+|\s+(?!\S)|\s+")
+
+
+def make_tokenizer(family: str, directory: Path) -> None:
+    """The tokenizer each family ships, small, trained with the tokenizers library on the bundled corpus: Llama 3's
+    byte-level BPE whose post-processor puts <|begin_of_text|> first; Qwen2's byte-level BPE (NFC, its split, no bos,
+    <|endoftext|>); Mistral's sentencepiece model (the bundled one)."""
+    import gzip
+
+    from tokenizers import Regex, Tokenizer, decoders, models, normalizers, pre_tokenizers, processors, trainers
+
+    directory.mkdir(parents=True, exist_ok=True)
+    if family == "mistral":
+        shutil.copyfile(ROOT / "data" / "sample" / "tokenizer.model", directory / "tokenizer.model")
+        return
+    tok = Tokenizer(models.BPE())
+    tok.decoder = decoders.ByteLevel()
+    if family == "qwen2":
+        specials, bos, eos, cls = ["<|endoftext|>"], None, "<|endoftext|>", "Qwen2Tokenizer"
+        tok.normalizer = normalizers.NFC()
+        tok.pre_tokenizer = pre_tokenizers.Sequence([
+            pre_tokenizers.Split(Regex(QWEN2_SPLIT), behavior="isolated"),
+            pre_tokenizers.ByteLevel(add_prefix_space=False, use_regex=False)])
+    else:
+        specials, bos, eos, cls = ["<|begin_of_text|>", "<|end_of_text|>"], "<|begin_of_text|>", "<|end_of_text|>", \
+            "PreTrainedTokenizerFast"
+        tok.pre_tokenizer = pre_tokenizers.ByteLevel(add_prefix_space=False)
+    trainer = trainers.BpeTrainer(vocab_size=VOCAB, special_tokens=specials, show_progress=False,
+                                  initial_alphabet=pre_tokenizers.ByteLevel.alphabet())
+    with gzip.open(CORPUS, "rt") as f:
+        tok.train_from_iterator((json.loads(line)["text"] for line in f), trainer)
+    if bos is not None:
+        tok.post_processor = processors.TemplateProcessing(single=f"{bos} $A", pair=f"{bos} $A {bos} $B",
+                                                           special_tokens=[(bos, tok.token_to_id(bos))])
+    tok.save(str(directory / "tokenizer.json"))
+    config = {"tokenizer_class": cls, "bos_token": bos, "eos_token": eos, "model_max_length": 64,
+              "clean_up_tokenization_spaces": False}
+    (directory / "tokenizer_config.json").write_text(json.dumps(config))
+
+
 def make_model(family: str, path: Path, **overrides):
     """A random tiny model of the family saved with save_pretrained (std 0.1, norms and biases randomised so that
-    every tensor's place shows in the logits), with the bundled tokenizer."""
+    every tensor's place shows in the logits), with the family's kind of tokenizer."""
     model_class, config_class, settings = FAMILIES[family]
     torch.manual_seed(0)
     model = model_class(config_class(**{**COMMON, **settings, **overrides})).eval()
@@ -59,15 +103,22 @@ def make_model(family: str, path: Path, **overrides):
             elif name.endswith("bias"):
                 p.normal_(0, 0.2)
     model.save_pretrained(str(path))
-    shutil.copyfile(ROOT / "data" / "sample" / "tokenizer.model", path / "tokenizer.model")
+    make_tokenizer(family, path)
     return model
 
 
 @pytest.fixture(scope="module", params=sorted(FAMILIES))
 def imported(request, tmp_path_factory):
+    """(family, transformers model, directory): the model saved under hf/, imported as ckpt/, and the bundled
+    corpus tokenized with the model's own tokenizer (as copied next to the checkpoint) as data_text_document."""
+    from data.preprocess import preprocess
+
     tmp = tmp_path_factory.mktemp(request.param)
     model = make_model(request.param, tmp / "hf")
     assert import_model(tmp / "hf", tmp / "ckpt") == 0
+    tokenizer = "tokenizer.model" if request.param == "mistral" else "tokenizer.json"
+    assert (tmp / "ckpt" / tokenizer).is_file()
+    preprocess([str(CORPUS)], str(tmp / "data_text_document"), str(tmp / "ckpt" / tokenizer))
     return request.param, model, tmp
 
 
@@ -96,7 +147,8 @@ def test_llama3_rope_scaling_is_what_the_logits_depend_on(tmp_path):
 def test_train_at_tp2_pp2_then_export_loads_in_transformers_with_our_logits_and_text(imported):
     family, model, tmp = imported
     run_dir = tmp / "run"
-    train_from_import(model, tmp / "ckpt", run_dir, 4, ["parallel.tp=2", "parallel.pp=2"])
+    data = f"data.paths=[{tmp / 'data_text_document'}]"
+    train_from_import(model, tmp / "ckpt", run_dir, 4, ["parallel.tp=2", "parallel.pp=2", data], data=[data])
     step_dir = run_dir / "checkpoints" / "step_00000001"
     out = tmp / "export"
     assert export("--checkpoint", step_dir, "--output", out) == 0
@@ -119,7 +171,9 @@ def test_train_at_tp2_pp2_then_export_loads_in_transformers_with_our_logits_and_
                           cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
     assert proc.returncode == 0, proc.stderr
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
-    ids = tok(PROMPT, return_tensors="pt", add_special_tokens=False).input_ids
+    # generate.py encodes as training data was: a tokenizer.json's own post-processor applies (Llama 3's bos)
+    ids = tok(PROMPT, return_tensors="pt", add_special_tokens=family != "mistral").input_ids
+    assert (ids[0, 0] == tok.bos_token_id) == (family == "llama3")
     generated = loaded.generate(ids, attention_mask=torch.ones_like(ids), do_sample=False, max_new_tokens=10)
     assert generated.shape[1] > ids.shape[1]
     assert proc.stdout.rstrip("\n") == tok.decode(generated[0], skip_special_tokens=True)

@@ -90,25 +90,26 @@ def first_loss(run_dir: Path) -> float:
     return next(r["loss"] for r in records if r.get("step") == 1 and "loss" in r)
 
 
-def reference_loss(model, config_file: Path) -> float:
-    """LlamaForCausalLM's mean next-token loss on the run's first global batch (read by the trainer's data code)."""
+def reference_loss(model, config_file: Path, data=()) -> float:
+    """transformers' mean next-token loss on the run's first global batch (read by the trainer's data code from the
+    default data, or ``data``'s overrides)."""
     from config import load_config
     from data.gpt_dataset import get_batch
     from training.trainer import check_data
 
-    train_ds, _ = check_data(load_config(str(config_file), RUN))
+    train_ds, _ = check_data(load_config(str(config_file), RUN + list(data)))
     tokens, labels = get_batch(train_ds, range(BATCH))
     with torch.no_grad():
         logits = model(tokens).logits
     return F.cross_entropy(logits.flatten(0, 1), labels.flatten()).item()
 
 
-def train_from_import(model, ckpt: Path, run_dir: Path, world: int, layout, rtol: float = RTOL) -> dict:
+def train_from_import(model, ckpt: Path, run_dir: Path, world: int, layout, rtol: float = RTOL, data=()) -> dict:
     config = ckpt / "model.yaml"
     out = run_world(train_worker, world, str(config), RUN + [f"logging.run_dir={run_dir}", *layout])
     assert all("error" not in r for r in out), out[0]
     assert out[0]["step"] == 1 and "model weights from" in out[0]["stdout"]
-    want = reference_loss(model, config)
+    want = reference_loss(model, config, data)
     assert abs(want - math.log(VOCAB)) > 0.1, "near-uniform logits: any model would give this loss"
     got = first_loss(run_dir)
     assert abs(got - want) <= rtol * want, (got, want)

@@ -144,6 +144,7 @@ def scratch(tmp_path_factory) -> Path:
         (d / name).symlink_to(ROOT / name)
     for ext in (".bin", ".idx"):
         (d / f"my_corpus{ext}").symlink_to(ROOT / "data" / "sample" / f"sample_text_document{ext}")
+        (d / f"my_bpe_corpus{ext}").symlink_to(ROOT / "data" / "sample" / f"bpe_text_document{ext}")
     (d / "tok.model").symlink_to(ROOT / "data" / "sample" / "tokenizer.model")
     return d
 

@@ -26,7 +26,7 @@ import torch.distributed as dist
 from config import Config, to_yaml, validate_config
 from data.gpt_dataset import DATA_ORDER, Sampleable, build_datasets, get_batch
 from data.indexed import DataError, fingerprint
-from data.tokenizer import Tokenizer
+from data.tokenizer import load_tokenizer
 from model.flops import flops_per_token, parameter_count
 from parallel import comm
 from parallel.launch import init_distributed, pick_device, read_launch_env
@@ -46,14 +46,16 @@ class DivergedError(RuntimeError):
 
 def check_data(cfg: Config, seed_names: Optional[List[str]] = None) -> Tuple[Sampleable, Optional[Sampleable]]:
     """Train and valid streams of the run's data, in data order 2, or 1 seeded by ``seed_names`` (see
-    data/gpt_dataset.py: a checkpoint written in order 1 goes on in it)."""
-    tok = Tokenizer(cfg.data.tokenizer)
+    data/gpt_dataset.py: a checkpoint written in order 1 goes on in it). ``data.tokenizer`` is any tokenizer
+    data/tokenizer.py reads (sentencepiece .model, tokenizer.json or a directory); data whose .idx records another
+    tokenizer is refused (data/gpt_dataset.py check_tokenizer)."""
+    tok = load_tokenizer(cfg.data.tokenizer)
     if tok.vocab_size > cfg.model.vocab_size:
         raise DataError(f"tokenizer {cfg.data.tokenizer} has {tok.vocab_size} tokens but model.vocab_size is "
                         f"{cfg.model.vocab_size}")
     return build_datasets(list(cfg.data.paths), list(cfg.data.weights) if cfg.data.weights else None,
                           list(cfg.data.split), cfg.model.seq_len, cfg.train.seed, vocab_size=tok.vocab_size,
-                          seed_names=seed_names)
+                          seed_names=seed_names, tokenizer=tok)
 
 
 def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> Callable[[int], tuple]:
