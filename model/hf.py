@@ -292,8 +292,12 @@ def _unsupported(cfg: Mapping[str, Any], model_type: Any) -> List[str]:
     for key in QK_NORM_KEYS:
         if cfg.get(key):
             problems.append(f"{key}={_json(cfg[key])} (QK-norm is not supported)")
-    if model_type == "qwen2":
-        if cfg.get("use_sliding_window"):
+    # Qwen2's family (qwen2, qwen2_moe, qwen3, ...) switches its window with use_sliding_window: sliding_window is
+    # then only the width it would have (Qwen2-MoE's config even writes 0), not a window in use. Mistral's and
+    # Llama's configs have no such flag: a sliding_window there is one.
+    flag = cfg.get("use_sliding_window")
+    if model_type == "qwen2" or (model_type not in ARCHITECTURES and isinstance(flag, bool)):
+        if flag:
             problems.append(f"use_sliding_window=true, sliding_window={_json(cfg.get('sliding_window'))} "
                             "(sliding-window attention is not supported)")
     elif cfg.get("sliding_window") is not None:

@@ -253,3 +253,58 @@ def test_parameter_count_and_flops_follow_head_dim_and_qkv_bias(overrides):
     assert params["layers.0.attn.proj.weight"].shape == (cfg.model.d_model, q)
     assert ("layers.0.attn.proj.bias" in params) == cfg.model.bias
     assert any(k.startswith("layers.0.attn.q") and k.endswith(".bias") for k in params) == cfg.model.attn_bias
+
+
+SMALL = dict(vocab_size=VOCAB, hidden_size=64, intermediate_size=96, num_hidden_layers=2, num_attention_heads=4,
+             num_key_value_heads=2, max_position_embeddings=64)
+REFUSED = {  # config class, its settings beyond SMALL, what the one line must name, what it must not
+    "llama_yarn": ("LlamaConfig", dict(rope_parameters={"rope_type": "yarn", "rope_theta": 1e4, "factor": 4.0,
+                                                        "original_max_position_embeddings": 16}),
+                   'rope_type="yarn"', None),
+    "llama_dynamic": ("LlamaConfig", dict(rope_parameters={"rope_type": "dynamic", "rope_theta": 1e4, "factor": 4.0}),
+                      'rope_type="dynamic"', None),
+    "mistral_default_window": ("MistralConfig", {}, "sliding_window=4096 (sliding-window attention", None),
+    "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32),
+                     "use_sliding_window=true, sliding_window=32 (sliding-window attention", None),
+    "qwen3": ("Qwen3Config", {}, "model_type='qwen3' (QK-norm", "sliding"),
+    "mixtral": ("MixtralConfig", {}, "mixture-of-experts", "sliding"),
+    "qwen2_moe": ("Qwen2MoeConfig", {}, "num_experts=60 (mixture-of-experts", "sliding"),
+}
+
+
+@pytest.mark.parametrize("case", sorted(REFUSED))
+def test_what_cannot_be_imported_is_refused_in_one_line_naming_the_setting(tmp_path, capsys, case):
+    """config.json exactly as transformers writes it for each model people would try: one line, exit code 2, naming
+    the setting (and no reason that does not hold, e.g. Qwen2-MoE's sliding_window=0 with use_sliding_window off)."""
+    from tests.test_hf_import import import_model
+
+    name, settings, expected, absent = REFUSED[case]
+    getattr(transformers, name)(**{**SMALL, **settings}).save_pretrained(str(tmp_path / "hf"))
+    (tmp_path / "hf" / "model.safetensors").write_bytes(b"")  # never read: the config is refused first
+    capsys.readouterr()
+    assert import_model(tmp_path / "hf", tmp_path / "ckpt") == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith("error: cannot import this model: ") and expected in err, err
+    assert absent is None or absent not in err, err
+    assert not (tmp_path / "ckpt").exists()
+
+
+@pytest.mark.parametrize("family,overrides", [
+    ("qwen2", dict(tie_word_embeddings=False)),
+    ("mistral", dict(tie_word_embeddings=True)),
+    ("llama3", dict(rope_parameters={"rope_type": "linear", "rope_theta": 10000.0, "factor": 4.0})),
+], ids=["qwen2_untied", "mistral_tied", "llama_linear_rope"])
+def test_other_variants_round_trip_to_transformers_logits(tmp_path, family, overrides):
+    """Untied Qwen2 (Qwen2.5-7B and up), tied Mistral and linear RoPE: import gives transformers' logits and the
+    export (of the import itself) loads as the same class with them."""
+    model = make_model(family, tmp_path / "hf", **overrides)
+    assert import_model(tmp_path / "hf", tmp_path / "ckpt") == 0
+    tokens = random_tokens(VOCAB, seq=48)
+    with torch.no_grad():
+        want = model(tokens).logits
+    assert_close(our_logits(tmp_path / "ckpt", tokens, tmp_path / "ckpt" / "model.yaml"), want)
+    assert export("--checkpoint", tmp_path / "ckpt", "--output", tmp_path / "out") == 0
+    loaded = transformers.AutoModelForCausalLM.from_pretrained(str(tmp_path / "out"), dtype=torch.float32).eval()
+    assert type(loaded) is FAMILIES[family][0]
+    with torch.no_grad():
+        assert_close(loaded(tokens).logits, want)
