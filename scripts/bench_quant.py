@@ -3,6 +3,12 @@ against the fast CPU path (``kernels/quant_cpu.py``), at the sizes one qgZ/qwZ s
 4 gloo ranks. Prints a markdown table (median of ``--repeats`` timed calls after a warm-up).
 
     python scripts/bench_quant.py [--threads 1] [--repeats 20]
+    python scripts/bench_quant.py --device cuda        # the Triton kernels on a GPU: GB/s against a copy
+
+On CUDA (``--device cuda``) it times the Triton kernels (``kernels/quant_triton.py``) at a 1.3B model
+layer's size and more with CUDA events, and prints each one's bandwidth (bytes read + written per second)
+beside the device's own copy bandwidth (a 2 GiB ``copy_``, read + written): a memory-bound kernel is
+as good as it gets when it is near that figure.
 
 The references' times depend on the allocator: their large temporaries cost page faults on every
 call when freed memory goes back to the OS (e.g. ``MALLOC_MMAP_THRESHOLD_=131072``), and far less
@@ -57,11 +63,74 @@ def cases() -> List[Tuple[str, str, Callable]]:
     ]
 
 
+def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
+    """Median time of one call on the GPU (CUDA events around each call, after two warm-ups)."""
+    fn()
+    fn()
+    torch.cuda.synchronize()
+    times = []
+    for _ in range(repeats):
+        a, b = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
+        a.record()
+        fn()
+        b.record()
+        b.synchronize()
+        times.append(a.elapsed_time(b))
+    return statistics.median(times)
+
+
+def cuda_main(repeats: int) -> None:
+    from kernels import quant_triton as qt
+
+    dev = torch.device("cuda")
+    big = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev)   # 2 GiB
+    dst = torch.empty_like(big)
+    copy_gbs = 2 * big.numel() * 2 / cuda_ms(lambda: dst.copy_(big), repeats) / 1e6
+    del big, dst
+    print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, median of {repeats}; device copy "
+          f"{copy_gbs:,.0f} GB/s (read + written)\n")
+    print("| kernel | size | ms | GB/s | of copy bandwidth |")
+    print("|---|---|---:|---:|---:|")
+    g = torch.Generator(device=dev).manual_seed(0)
+    for n in (50_331_648, 268_435_456):   # a gpt_1.3b layer; 256M values
+        x = torch.randn(n, generator=g, device=dev).to(torch.bfloat16)
+        for bits in (8, 4):
+            block = 128
+            nb = -(-n // block)
+            pbytes = nb * block * bits // 8
+            p, sc = qt.quantize_blockwise(x, bits, block)
+            cases = [
+                (f"quantize int{bits}", lambda: qt.quantize_blockwise(x, bits, block), 2 * n + pbytes + 4 * nb),
+                (f"dequantize int{bits} -> bf16", lambda: qt.dequantize_blockwise(p, sc, bits, block, n,
+                                                                                   torch.bfloat16),
+                 pbytes + 4 * nb + 2 * n),
+                (f"reorder+quantize int{bits} (8x2, 2 stages)",
+                 lambda: qt.reorder_and_quantize(x, 8, 2, bits, block, 2), 2 * n + pbytes + 4 * nb),
+            ]
+            k = 8
+            ps, ss = p[: pbytes // k * k].view(k, -1), sc[: nb // k * k].view(k, -1)
+            m = ss.shape[1] * block
+            cases += [(f"dequant_sum int{bits} ({k} copies)", lambda: qt.dequant_sum(ps, ss, bits, block, m),
+                       ps.numel() + 4 * ss.numel() + 4 * m),
+                      (f"dequant_sum_requant int{bits} ({k} copies)",
+                       lambda: qt.dequant_sum_requant(ps, ss, bits, block, m, bits),
+                       ps.numel() + 4 * ss.numel() + ps.shape[1] + 4 * ss.shape[1])]
+            for name, fn, nbytes in cases:
+                ms = cuda_ms(fn, repeats)
+                gbs = nbytes / ms / 1e6
+                print(f"| {name} | {n / 2**20:.0f}M bf16, block {block} | {ms:.3f} | {gbs:,.0f} | "
+                      f"{100 * gbs / copy_gbs:.0f}% |", flush=True)
+
+
 def main(argv=None) -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per cell (median reported)")
+    ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args(argv)
+    if args.device == "cuda":
+        cuda_main(args.repeats)
+        return
     torch.set_num_threads(args.threads)
     print(f"torch {torch.__version__}, {torch.get_num_threads()} thread(s), median of {args.repeats}\n")
     print("| function | size | reference ms | fast ms | speed-up |")

@@ -1,0 +1,116 @@
+#!/usr/bin/env bash
+# Every CUDA path checked in one command on a GPU machine, and the trainer's speed measured there.
+#
+#   bash scripts/gpu_check.sh OUTDIR            # run everything; OUTDIR/report.md is the one report
+#   bash scripts/gpu_check.sh --fetch-wheels    # on a machine with PyPI: put the pure-Python wheels this project
+#                                               # needs beyond a CUDA torch image into .whl/ (bring that folder)
+#
+# Steps (each under its own time limit, so one that hangs cannot take the others with it):
+#   0. prepare: if the Python here lacks a package the trainer needs (omegaconf, ...) and .whl/ holds wheels,
+#      install them into a private folder and put it on PYTHONPATH (nothing is fetched; nothing system-wide
+#      changes); the repository root goes on PYTHONPATH too.
+#   1. the machine: GPU, driver, torch / CUDA / Triton versions.
+#   2. the GPU tier: python -m pytest tests/gpu (marker gpu).
+#   3. kernel bandwidth: python scripts/bench_quant.py --device cuda.
+#   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_350m and gpt_1.3b, bf16 and fp8,
+#      recompute off and selective).
+#   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8.
+# Environment knobs: GPU_CHECK_STEPS (bench steps, default 16), GPU_CHECK_SKIP (space-separated step
+# numbers to skip, e.g. "4 5"), GPU_CHECK_PRESETS (default "gpt_350m gpt_1.3b").
+set -uo pipefail
+ROOT="$(cd "$(dirname "$0")/.." && pwd)"
+WHEELS=(omegaconf==2.3.0 antlr4-python3-runtime==4.9.3)
+
+if [[ "${1:-}" == "--fetch-wheels" ]]; then
+    mkdir -p "$ROOT/.whl"
+    # omegaconf's own wheel; antlr4-python3-runtime 4.9.3 is published as a source archive only: build its
+    # (pure-Python) wheel here
+    python3 -m pip download --no-deps --only-binary=:all: -d "$ROOT/.whl" "${WHEELS[0]}" &&
+        python3 -m pip wheel --no-deps -w "$ROOT/.whl" "${WHEELS[1]}" || exit 1
+    ls -l "$ROOT/.whl"
+    exit 0
+fi
+
+OUT="${1:?usage: bash scripts/gpu_check.sh OUTDIR   (or --fetch-wheels)}"
+mkdir -p "$OUT"
+OUT="$(cd "$OUT" && pwd)"
+cd "$ROOT"
+PY="${PYTHON:-python3}"
+STEPS="${GPU_CHECK_STEPS:-16}"
+SKIP=" ${GPU_CHECK_SKIP:-} "
+PRESETS="${GPU_CHECK_PRESETS:-gpt_350m gpt_1.3b}"
+REPORT="$OUT/report.md"
+status=0
+
+section() { printf '\n## %s\n\n' "$1" | tee -a "$REPORT"; }
+# run STEP TIMEOUT LOGFILE CMD...: the output goes to the log and the report (fenced), failures are counted
+run() {
+    local step="$1" limit="$2" log="$OUT/$3"; shift 3
+    if [[ "$SKIP" == *" $step "* ]]; then echo "(skipped: GPU_CHECK_SKIP)" | tee -a "$REPORT"; return 0; fi
+    local t0=$SECONDS
+    echo '```' >> "$REPORT"
+    timeout --kill-after=10 "$limit" "$@" > "$log" 2>&1
+    local rc=$?
+    cat "$log" >> "$REPORT"
+    echo '```' >> "$REPORT"
+    echo "step $step: rc $rc in $((SECONDS - t0)) s ($*)" | tee -a "$REPORT"
+    [[ $rc -eq 0 ]] || status=1
+    return $rc
+}
+
+{
+    echo "# GPU check ($(date -u '+%Y-%m-%d %H:%M UTC'), commit $(git -C "$ROOT" rev-parse --short HEAD 2>/dev/null || echo unknown))"
+} > "$REPORT"
+
+section "0. preparation"
+site="${TMPDIR:-/tmp}/gpu_check_site"
+if ! "$PY" -c "import omegaconf" 2>/dev/null; then
+    if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
+        "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
+            "$ROOT"/.whl/*.whl 2>&1 | tail -3 | tee -a "$REPORT"
+        export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
+        echo "installed $(ls "$ROOT"/.whl | tr '\n' ' ') into $site" | tee -a "$REPORT"
+    else
+        echo "omegaconf is missing and .whl/ holds no wheels: run 'bash scripts/gpu_check.sh --fetch-wheels' on a" \
+             "machine with PyPI and bring .whl/ along" | tee -a "$REPORT"
+        exit 2
+    fi
+fi
+export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
+"$PY" -c "import omegaconf, sentencepiece, tokenizers, numpy, triton, torch" 2>&1 | tee -a "$REPORT" ||
+    { echo "a package the trainer needs is missing (above)" | tee -a "$REPORT"; exit 2; }
+
+section "1. machine"
+run 1 60 machine.log "$PY" - <<'EOF'
+import platform, subprocess, torch, triton
+print(f"python {platform.python_version()}, torch {torch.__version__} (CUDA {torch.version.cuda}), triton {triton.__version__}")
+if not torch.cuda.is_available():
+    raise SystemExit("CUDA is not available: nothing here can run")
+p = torch.cuda.get_device_properties(0)
+print(f"{p.name}: compute capability {p.major}.{p.minor}, {p.multi_processor_count} SMs, "
+      f"{p.total_memory / 2**30:.1f} GiB")
+print(subprocess.run(["nvidia-smi", "--query-gpu=name,driver_version,memory.total,clocks.max.sm",
+                      "--format=csv,noheader"], capture_output=True, text=True).stdout.strip())
+EOF
+[[ $? -eq 0 ]] || { echo "no usable GPU: stopping" | tee -a "$REPORT"; exit 2; }
+
+section "2. GPU tier (tests/gpu)"
+run 2 420 gpu_tier.log "$PY" -m pytest tests/gpu -p no:cacheprovider -rA -q -s --timeout 400
+
+section "3. quantization kernels on the GPU"
+run 3 120 bench_kernels.log "$PY" scripts/bench_quant.py --device cuda --repeats 10
+
+section "4. speed: tokens/s, TFLOP/s and MFU on one GPU"
+# shellcheck disable=SC2086
+run 4 420 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute off selective \
+    --steps "$STEPS" --warmup 6 --micro-batch 4 --accum 4
+
+section "5. where one step's time goes"
+for prec in bf16 fp8; do
+    run 5 150 "profile_${prec}.log" "$PY" scripts/profile_step.py --preset gpt_1.3b --precision "$prec" \
+        --micro-batch 4 --accum 1 --warmup 3
+done
+
+echo | tee -a "$REPORT"
+echo "overall: $([[ $status -eq 0 ]] && echo 'every step passed' || echo 'SOME STEPS FAILED (above)')" | tee -a "$REPORT"
+exit $status
