@@ -52,7 +52,7 @@ from torch import nn
 from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
-from fp8.grad_comm import AutoScale, all_reduce_fp8, cast_gradient, reduce_scatter_fp8
+from fp8.grad_comm import AutoScale, _all_reduce_fp8, _cast_gradient, _reduce_scatter_fp8
 from parallel import comm
 from parallel.mesh import Mesh
 from parallel.optim_rules import grad_factor, owns_gradient, weight_decay_exempt
@@ -246,9 +246,9 @@ class Fp8DataParallel(ZeroDataParallel):
         data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
         scales = torch.ones(unit.T, dtype=torch.float32, device=acc.device)
         margin, power_of_two = self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales
-        saturated = 0
+        saturated = torch.zeros((), dtype=torch.int64, device=acc.device)  # counts stay on the device (no syncs)
         for i, ((a, b), (lo, hi)) in enumerate(zip(unit.compact, unit.bounds)):
-            q, s, sat = cast_gradient(acc[a:b], self.autoscale.mu, self.grad_fmt, margin, power_of_two)
+            q, s, sat = _cast_gradient(acc[a:b], self.autoscale.mu, self.grad_fmt, margin, power_of_two)
             data[lo:hi], scales[i] = q, s
             saturated += sat
         unit.grad_acc = None
@@ -256,10 +256,10 @@ class Fp8DataParallel(ZeroDataParallel):
         del acc
         dp = self.mesh.dp
         if self.stage == 0:  # every rank keeps the whole reduced gradient (flat layout: bounds == where)
-            out, result_scale, overflow, numel = all_reduce_fp8(data, scales, unit.bounds, dp)
+            out, result_scale, overflow, numel = _all_reduce_fp8(data, scales, unit.bounds, dp)
             unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
         else:  # this rank keeps its owned tensors' sums, cast back to FP8 (data in the scale N s'_g convention)
-            res = reduce_scatter_fp8(data, scales, unit.bounds, dp)
+            res = _reduce_scatter_fp8(data, scales, unit.bounds, dp)
             base = unit.rank * unit.S
             for i in unit.owned:
                 a, b = unit.where[i]

@@ -60,7 +60,8 @@ __all__ = ["quantize_blockwise", "dequantize_blockwise", "reorder_and_quantize",
            "dequant_sum_requant", "n_blocks", "payload_nbytes", "qgz_slice_sizes", "qgz_slot",
            "reorder_for_hierarchical", "FLOAT_DTYPES"]
 
-_FLT_MAX: tl.constexpr = 3.4028234663852886e38
+# a global a @triton.jit function reads must be a tl.constexpr instance (triton 3.6 refuses an annotated float)
+_FLT_MAX = tl.constexpr(3.4028234663852886e38)
 
 
 # ----------------------------------------------------------------------------- device helpers
