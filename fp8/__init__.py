@@ -4,6 +4,7 @@ Two layers live here. The numerics sit below model/ (beside the parallel primiti
 amax and gradient reductions; the TP linears call the FP8 GEMM):
 
   format.py      E4M3 / E5M2, amax, scale from amax, scaled casts
+  segments.py    per-tensor spread / max / sum over tensors stored back to back (whole-unit operations)
   scaling.py     delayed / current scaling state and amax histories, reduced over their groups
   linear.py      the FP8 linear (torch._scaled_mm) with its autograd
   grad_comm.py   FP8 gradient all-reduce / reduce-scatter with the auto-scaling factor mu

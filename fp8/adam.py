@@ -47,6 +47,7 @@ from typing import Any, Dict, Iterable, Optional
 import torch
 
 from fp8.format import E4M3, amax, dequantize, quantize, scale_from_amax
+from fp8.segments import Segments
 
 MASTER_DTYPES = {"fp16": torch.float16, "fp32": torch.float32}
 M_DTYPE = E4M3
@@ -114,6 +115,54 @@ def adamw_update(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: 
         _requantize(p, master, master_scale)
     _requantize(exp_avg, m, m_scale)
     _requantize(exp_avg_sq, v, v_scale)
+
+
+def _requantize_packed(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, segments: Segments) -> None:
+    """``_requantize`` of T tensors stored back to back: fresh per-tensor scales from per-tensor amaxes."""
+    s = scale_from_amax(segments.max(x.abs()), q.dtype, margin=0, power_of_two=True, previous=scales)
+    q.copy_(quantize(x, segments.spread(s), q.dtype))
+    scales.copy_(s)
+
+
+@torch.no_grad()
+def adamw_update_packed(master: torch.Tensor, master_scales: Optional[torch.Tensor], m: torch.Tensor,
+                        m_scales: torch.Tensor, v: torch.Tensor, v_scales: torch.Tensor, grad: torch.Tensor,
+                        segments: Segments, weight_decays: torch.Tensor, *, step: int, lr: float, beta1: float,
+                        beta2: float, eps: float) -> None:
+    """``adamw_update`` of T whole tensors stored back to back in flat buffers, in a fixed number of kernels
+    whatever T is (the per-tensor loop launches some 40 small kernels a tensor, which is what an FP8 step
+    spends its GPU time on).
+
+    ``segments``: the T tensors' lengths (``fp8/segments.py``; no gaps); scales: fp32 [T], updated in place; ``weight_decays``:
+    float64 [T] (the decoupled factor ``1 - lr * wd`` is formed in float64, as Python does for the per-tensor
+    call, and rounded once to fp32; exempt tensors have 0 and are multiplied by exactly 1). Every element
+    goes through the per-tensor function's operations with its tensor's scalars, so the results are those of
+    ``adamw_update`` tensor by tensor (tested bit for bit)."""
+    n = master.numel()
+    if not (m.numel() == v.numel() == grad.numel() == n == segments.numel):
+        raise ValueError(f"fp8 adam: packed buffers differ in length: master {n}, m {m.numel()}, v {v.numel()}, "
+                         f"grad {grad.numel()}, segments {segments.numel}")
+    if master.dtype not in MASTER_DTYPES.values() or m.dtype != M_DTYPE or v.dtype != V_DTYPE:
+        raise TypeError(f"fp8 adam: master, m, v must be float16/float32, {M_DTYPE}, {V_DTYPE}; got {master.dtype}, "
+                        f"{m.dtype}, {v.dtype}")
+    if grad.dtype != torch.float32:
+        raise TypeError(f"fp8 adam: grad must be float32, got {grad.dtype}")
+    if step < 1:
+        raise ValueError(f"fp8 adam: step counts from 1, got {step}")
+    fp32_master = master.dtype == torch.float32
+    p = master if fp32_master else dequantize(master, segments.spread(master_scales))
+    exp_avg = dequantize(m, segments.spread(m_scales))
+    exp_avg_sq = dequantize(v, segments.spread(v_scales))
+    p.mul_(segments.spread((1.0 - lr * weight_decays).to(torch.float32)))
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1 ** step)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+    if not fp32_master:
+        _requantize_packed(p, master, master_scales, segments)
+    _requantize_packed(exp_avg, m, m_scales, segments)
+    _requantize_packed(exp_avg_sq, v, v_scales, segments)
 
 
 @torch.no_grad()

@@ -26,10 +26,10 @@ each rank's cast (``cast_gradient``) and on the reduced sum (``ReduceResult``).
 No host synchronisation per tensor. A unit holds hundreds of tensors; a per-tensor ``int(...)`` /
 ``bool(...)`` / ``torch.equal`` on a GPU stalls the host until the device catches up, hundreds of times a
 step (1,168 stalls a step of gpt_350m on an H100 before this was vectorised, the GPU busy 21% of the step).
-So the per-tensor questions are answered for all tensors at once over "segments" -- the flat data cut
-into gap / tensor / gap / ... pieces, with their lengths cached on the device per layout
-(``_segments``): which tensors are all zero (``torch.segment_reduce``), every tensor's re-cast factor
-spread over its elements (``repeat_interleave``), and the saturated count inside tensors. Counts stay
+So the per-tensor questions are answered for all tensors at once over segments (``fp8/segments.py``) --
+the flat data cut into gap / tensor / gap / ... pieces, cached per layout (``_segments``): which tensors
+are all zero, every tensor's re-cast factor spread over its elements, and the saturated count inside
+tensors. Counts stay
 device tensors (``_cast_gradient``, ``_reduce_scatter_fp8``); the caller reads them once a step. The public
 ``cast_gradient`` / ``reduce_scatter_fp8`` / ``all_reduce_fp8`` return Python ints, as before.
 """
@@ -42,6 +42,7 @@ from typing import Dict, List, Sequence, Tuple, Union
 import torch
 
 from fp8.format import amax, format_max, quantize, scale_from_amax
+from fp8.segments import Segments
 from parallel import comm
 from parallel.comm import Group
 
@@ -97,12 +98,13 @@ class ReduceResult:
 
 @lru_cache(maxsize=1024)
 def _segments(bounds: Tuple[Tuple[int, int], ...], lo: int, hi: int,
-              device: torch.device) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+              device: torch.device) -> Tuple[Segments, torch.Tensor, torch.Tensor]:
     """The window ``[lo, hi)`` of a flat buffer cut into 2T+1 segments gap, tensor, gap, ..., tensor, gap, the
-    tensors in buffer order (each clipped to the window; any segment may be empty). Returns, on ``device``:
-    the segment lengths (int64), ``by_position`` (which tensor is k-th in the buffer) and ``position`` (where
-    tensor i is: segment ``1 + 2 * position[i]``). Only these are cached (O(T) numbers a layout), never
-    anything the size of the buffer. The tensors must be disjoint (every layout here is)."""
+    tensors in buffer order (each clipped to the window; any segment may be empty). Returns the
+    ``Segments`` (``fp8/segments.py``), and on ``device`` ``by_position`` (which tensor is k-th in the buffer)
+    and ``position`` (where tensor i is: segment ``1 + 2 * position[i]``). Only these are cached (O(T)
+    numbers a layout), never anything the size of the buffer. The tensors must be disjoint (every layout
+    here is)."""
     order = sorted(range(len(bounds)), key=lambda i: bounds[i])
     lengths, cursor = [], lo
     for i in order:
@@ -119,7 +121,7 @@ def _segments(bounds: Tuple[Tuple[int, int], ...], lo: int, hi: int,
     for k, i in enumerate(order):
         position[i] = k
     as_tensor = lambda v: torch.tensor(v, dtype=torch.int64, device=device)  # noqa: E731
-    return as_tensor(lengths), as_tensor(order), as_tensor(position)
+    return Segments(lengths, device), as_tensor(order), as_tensor(position)
 
 
 def _key(bounds: Bounds) -> Tuple[Tuple[int, int], ...]:
@@ -128,11 +130,10 @@ def _key(bounds: Bounds) -> Tuple[Tuple[int, int], ...]:
 
 def _shared_scales(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds, group: Group) -> torch.Tensor:
     """MIN over ranks of each tensor's scale; ranks whose tensor is all zero offer +inf; 1 if all do."""
-    lengths, _, position = _segments(_key(bounds), 0, data.numel(), data.device)
+    segments, _, position = _segments(_key(bounds), 0, data.numel(), data.device)
     # a tensor is all zero when no element has magnitude bits (FP8 +-0 are 0x00 / 0x80; a NaN is not zero)
     nonzero = ((data.view(torch.uint8) & 0x7F) != 0).to(torch.float32)
-    per_segment = torch.segment_reduce(nonzero, "max", lengths=lengths, unsafe=True, initial=0.0)
-    any_nonzero = per_segment[1::2][position] > 0
+    any_nonzero = segments.max(nonzero)[1::2][position] > 0
     offer = torch.where(any_nonzero, scales.float(), torch.full_like(scales, float("inf"), dtype=torch.float32))
     comm.all_reduce(offer, group, op="min")
     return torch.where(torch.isfinite(offer), offer, torch.ones_like(offer))
@@ -141,20 +142,19 @@ def _shared_scales(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds, gro
 def _recast(data: torch.Tensor, scales: torch.Tensor, shared: torch.Tensor, bounds: Bounds) -> None:
     """In place: every tensor's FP8 values from its own scale to the shared one (one pass over the buffer:
     each element times its tensor's ``shared / scale``, 1 between tensors; a factor of 1 changes nothing)."""
-    lengths, by_position, _ = _segments(_key(bounds), 0, data.numel(), data.device)
-    factor = torch.ones(lengths.numel(), dtype=torch.float32, device=data.device)
+    segments, by_position, _ = _segments(_key(bounds), 0, data.numel(), data.device)
+    factor = torch.ones(len(segments), dtype=torch.float32, device=data.device)
     factor[1::2] = (shared.float() / scales.float())[by_position]
-    per_element = torch.repeat_interleave(factor, lengths, output_size=data.numel())
-    data.copy_(quantize(data.float() * per_element, 1.0, data.dtype))
+    data.copy_(quantize(data.float() * segments.spread(factor), 1.0, data.dtype))
 
 
 def _counts(total: torch.Tensor, offset: int, bounds: Bounds, dtype: torch.dtype) -> Tuple[torch.Tensor, int]:
     """(overflowing, counted) elements of ``total`` (a shard starting at flat ``offset``) inside ``bounds``; the
     first a 0-dim device tensor."""
     end = offset + total.numel()
-    lengths, _, _ = _segments(_key(bounds), offset, end, total.device)
+    segments, _, _ = _segments(_key(bounds), offset, end, total.device)
     bad = (~(total.abs() <= format_max(dtype))).to(torch.float64)  # float64 sums of 0/1 are exact counts
-    over = torch.segment_reduce(bad, "sum", lengths=lengths, unsafe=True, initial=0.0)[1::2].sum().to(torch.int64)
+    over = segments.sum(bad)[1::2].sum().to(torch.int64)
     numel = sum(max(0, min(hi, end) - max(lo, offset)) for lo, hi in bounds)
     return over, numel
 
@@ -174,7 +174,8 @@ def _reduce_scatter_fp8(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds
     if data.numel() % n:
         raise ValueError(f"FP8 reduce-scatter of {data.numel()} elements over {n} ranks: not divisible")
     shared = _shared_scales(data, scales, bounds, group)
-    _recast(data, scales, shared, bounds)
+    if n > 1:  # one rank: every factor is exactly 1 (its own scale, or a zero tensor), the re-cast an identity
+        _recast(data, scales, shared, bounds)
     size = data.numel() // n
     received = torch.empty_like(data)
     comm.all_to_all(received, data, group)

@@ -43,6 +43,7 @@ requantize gives back the very same bits (bitwise resume).
 from __future__ import annotations
 
 import math
+import os
 from functools import partial
 from typing import Dict, List, Optional, Sequence, Tuple
 
@@ -53,6 +54,7 @@ from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import AutoScale, _all_reduce_fp8, _cast_gradient, _reduce_scatter_fp8
+from fp8.segments import Segments
 from parallel import comm
 from parallel.mesh import Mesh
 from parallel.optim_rules import grad_factor, owns_gradient, weight_decay_exempt
@@ -90,8 +92,9 @@ class Fp8Unit:
     ``compact`` in the unit's working buffers (all tensors back to back)."""
 
     def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
-                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int):
+                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
+        self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
         dp, device = mesh.dp, mesh.device
         numels = [p.numel() for p in self.params]
@@ -152,6 +155,22 @@ class Fp8Unit:
     def full_bytes(self) -> int:
         return self.full.numel() * self.full.element_size()
 
+    def packing(self) -> Dict[str, object]:
+        """What the whole-unit (packed) operations need, built once (``fp8/segments.py``): the owned tensors as
+        segments (their ``where`` ranges lie back to back from 0), their indices among the unit's T, whether
+        each takes weight decay and whether it counts in the norm (device tensors); every tensor as segments
+        in compact order (``full``, ``w8`` at stages 1-2)."""
+        if getattr(self, "_packing", None) is None:
+            device = self.master.device
+            as_tensor = lambda v, dt: torch.tensor(v, dtype=dt, device=device)  # noqa: E731
+            self._packing = {
+                "owned": Segments([self.where[i][1] - self.where[i][0] for i in self.owned], device),
+                "index": as_tensor(self.owned, torch.int64),
+                "decay": as_tensor([bool(self.decay[i]) for i in self.owned], torch.bool),
+                "in_norm": as_tensor([bool(self.in_norm[i]) for i in self.owned], torch.bool),
+                "compact": Segments([b - a for a, b in self.compact], device)}
+        return self._packing
+
     def master_value(self, i: int) -> torch.Tensor:
         a, b = self.where[i]
         return adam.master_value(self.master[a:b], self.master_scale[i])
@@ -164,9 +183,14 @@ class Fp8Unit:
         return self.grad_acc[a:b].view(self.params[i].shape)
 
     def set_weights(self, data: torch.Tensor, scales: torch.Tensor) -> None:
-        """Dequantize every tensor's E4M3 bytes (compact order) into the bf16 working buffer."""
-        for i, (a, b) in enumerate(self.compact):
-            self.full[a:b] = dequantize(data[a:b].view(E4M3), scales[i], torch.bfloat16)
+        """Dequantize every tensor's E4M3 bytes (compact order) into the bf16 working buffer (packed: one pass,
+        each element divided by its tensor's scale)."""
+        if not self.packed:
+            for i, (a, b) in enumerate(self.compact):
+                self.full[a:b] = dequantize(data[a:b].view(E4M3), scales[i], torch.bfloat16)
+            return
+        per_element = self.packing()["compact"].spread(scales)
+        self.full.copy_(dequantize(data[:self.numel].view(E4M3), per_element, torch.bfloat16))
 
 
 class _Gather:
@@ -184,6 +208,19 @@ class _Gather:
         if u.secondary is not None and not u.secondary_valid:
             u.gathered8 = data
             u.secondary_scale.copy_(scales)
+
+
+def packed_updates(device: torch.device) -> bool:
+    """Whether a unit's tensors are updated together (packed) or one by one; the same bits either way (tested).
+
+    Packed on CUDA, where the per-tensor loops' hundreds of small kernels are what an FP8 step spends its
+    time on; one by one on CPU, where they are cheap and the packed form's buffer-sized temporaries (each
+    tensor's scale spread over its elements) cost more than they save. ``FP8_PACKED=1`` / ``=0`` forces
+    either (tests run the packed path on CPU with it)."""
+    forced = os.environ.get("FP8_PACKED")
+    if forced not in (None, "", "0", "1"):
+        raise ValueError(f"FP8_PACKED must be 0 or 1, got {forced!r}")
+    return forced == "1" if forced else torch.device(device).type == "cuda"
 
 
 class Fp8DataParallel(ZeroDataParallel):
@@ -204,8 +241,9 @@ class Fp8DataParallel(ZeroDataParallel):
         self._overflow = torch.zeros(2, dtype=torch.float64, device=mesh.device)  # overflowing, counted elements
         master_dtype = MASTER_DTYPES[f.master_dtype]
         owners = OwnerBalance(mesh.dp.size)
+        self.packed = packed_updates(mesh.device)
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
-                                                       self.working, z.hpz_size))
+                                                       self.working, z.hpz_size, self.packed))
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -275,6 +313,12 @@ class Fp8DataParallel(ZeroDataParallel):
             if not u.reduced:  # a unit that got no gradient hook on the last backward
                 self._reduce(u)
 
+    def _owned_grads(self, u: Fp8Unit) -> torch.Tensor:
+        """The DP mean of mu * g for every owned tensor, back to back (``where`` order), fp32: ``_grad`` of each."""
+        pk = u.packing()
+        per_element = pk["owned"].spread(u.grad_scale[pk["index"]])
+        return dequantize(u.grad8[:u.extent].view(self.grad_fmt), per_element)
+
     def _grad(self, u: Fp8Unit, i: int) -> torch.Tensor:
         """The DP mean of mu * g for owned tensor i, fp32."""
         a, b = u.where[i]
@@ -284,10 +328,15 @@ class Fp8DataParallel(ZeroDataParallel):
     def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
         """Global norm of the reduced gradients (mu is a loss scale here); then mu follows the overflow count."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
-        for u in self.units:
-            for i in u.owned:
-                if u.in_norm[i]:
-                    sq += self._grad(u, i).square().sum()
+        for u in self.units:  # packed: the per-tensor sums of squares of a whole unit at once
+            if not u.packed:
+                for i in u.owned:
+                    if u.in_norm[i]:
+                        sq += self._grad(u, i).square().sum()
+            elif u.owned:
+                pk = u.packing()
+                per_tensor = pk["owned"].sum(self._owned_grads(u).square())
+                sq += torch.where(pk["in_norm"], per_tensor, torch.zeros_like(per_tensor)).sum()
         # stage 0: every DP rank holds every gradient, so the norm is over the model-parallel ranks only
         comm.all_reduce(sq, self.mesh.mp if self.stage == 0 else self.mesh.world)
         counts = self._overflow.clone()
@@ -309,13 +358,27 @@ class Fp8DataParallel(ZeroDataParallel):
     def step(self, lr: float) -> None:
         t = self.cfg.train
         self.optimizer_steps += 1
-        for u in self.units:
-            for i in u.owned:
-                a, b = u.where[i]
-                adam.adamw_update(u.master[a:b], u.master_scale[i], u.m[a:b], u.m_scale[i], u.v[a:b],
-                                  u.v_scale[i], self._grad(u, i) * self._factor, step=self.optimizer_steps, lr=lr,
-                                  beta1=t.beta1, beta2=t.beta2, eps=t.eps,
-                                  weight_decay=t.weight_decay if u.decay[i] else 0.0)
+        for u in self.units:  # packed: every owned tensor of a unit in one update (fp8/adam.adamw_update_packed)
+            if not u.packed:
+                for i in u.owned:
+                    a, b = u.where[i]
+                    adam.adamw_update(u.master[a:b], u.master_scale[i], u.m[a:b], u.m_scale[i], u.v[a:b],
+                                      u.v_scale[i], self._grad(u, i) * self._factor, step=self.optimizer_steps,
+                                      lr=lr, beta1=t.beta1, beta2=t.beta2, eps=t.eps,
+                                      weight_decay=t.weight_decay if u.decay[i] else 0.0)
+                continue
+            if not u.owned:
+                continue
+            pk = u.packing()
+            idx = pk["index"]
+            scales = [u.master_scale[idx], u.m_scale[idx], u.v_scale[idx]]
+            grad = self._owned_grads(u) * self._factor
+            weight_decays = pk["decay"].to(torch.float64) * t.weight_decay  # exactly wd or 0, in float64
+            adam.adamw_update_packed(u.master, scales[0], u.m, scales[1], u.v, scales[2], grad, pk["owned"],
+                                     weight_decays, step=self.optimizer_steps, lr=lr, beta1=t.beta1,
+                                     beta2=t.beta2, eps=t.eps)
+            for dst, src in zip((u.master_scale, u.m_scale, u.v_scale), scales):
+                dst.index_copy_(0, idx, src)
         self._refresh_weights()
 
     @torch.no_grad()
@@ -372,9 +435,16 @@ class Fp8DataParallel(ZeroDataParallel):
         unit.full.untyped_storage().resize_(unit.full_bytes)
         self.working.add(unit.full_bytes)
         with torch.no_grad():
-            if self.stage == 0:  # this rank holds every master
+            if self.stage == 0 and not unit.packed:  # this rank holds every master
                 for i, (a, b) in enumerate(unit.compact):
                     unit.full[a:b] = unit.master_value(i).to(torch.bfloat16)
+                unit.gathered = True
+            elif self.stage == 0:  # packed: owned = all, where = compact (back to back)
+                if unit.master.dtype == torch.float32:
+                    unit.full.copy_(unit.master)
+                else:
+                    per_element = unit.packing()["owned"].spread(unit.master_scale)
+                    unit.full.copy_(dequantize(unit.master, per_element))
                 unit.gathered = True
             elif self.stage in (1, 2):  # the persistent E4M3 copy
                 unit.set_weights(unit.w8, unit.w8_scale)

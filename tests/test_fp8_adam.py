@@ -9,6 +9,7 @@ import copy
 import io
 import math
 
+import pytest
 import torch
 from torch import nn
 
@@ -303,3 +304,94 @@ def test_parameter_refreshed_in_its_own_dtype():
         st = opt.state[p]
         assert p.dtype == torch.bfloat16
         assert torch.equal(p, master_value(st["master"], st["master_scale"]).bfloat16())
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    return t.view({1: torch.uint8, 2: torch.int16, 4: torch.int32}[t.element_size()])
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu_loops", "fused_kernels"])
+@pytest.mark.parametrize("master_dtype", ["fp16", "fp32"])
+def test_packed_update_is_the_per_tensor_update_bit_for_bit(master_dtype, fused):
+    """adamw_update_packed (what fp8/zero.py runs: one update for a unit's tensors back to back) against the
+    per-tensor adamw_update on each tensor: sizes around the SIMD widths (tails), an empty and an all-zero
+    tensor, exempt and decayed tensors, gradients from tiny to large, a NaN gradient in one tensor. Both
+    segment implementations (the CPU loops and the fused kernels CUDA uses) are run here on CPU."""
+    from fp8.adam import adamw_update_packed
+    from fp8.segments import Segments
+
+    g = torch.Generator().manual_seed(7)
+    sizes = [1, 7, 8, 9, 15, 16, 17, 31, 33, 0, 100, 1000, 4099]
+    values = [torch.randn(n, generator=g) * 10.0 ** (i % 4 - 2) for i, n in enumerate(sizes)]
+    values[2] = torch.zeros(8)
+    states = [init_state(x, master_dtype) for x in values]
+    wds = [WD if i % 3 else 0.0 for i in range(len(sizes))]
+    flat = {k: torch.cat([st[k].reshape(-1) for st in states]) for k in ("master", "m", "v")}
+    scales = {k: torch.stack([st[k] if st[k] is not None else torch.ones(()) for st in states])
+              for k in ("master_scale", "m_scale", "v_scale")}
+    lengths, decay = Segments(sizes, "cpu", fused=fused), torch.tensor(wds, dtype=torch.float64)
+    hp = dict(lr=LR, beta1=0.9, beta2=0.95, eps=1e-8)
+    for step in range(1, 6):
+        grads = [torch.randn(n, generator=g) * 10.0 ** (step - 3) for n in sizes]
+        if step == 4:
+            grads[5][3] = float("nan")
+        for st, gr, wd in zip(states, grads, wds):
+            adamw_update(*(st[k] for k in ("master", "master_scale", "m", "m_scale", "v", "v_scale")), gr,
+                         step=step, weight_decay=wd, **hp)
+        adamw_update_packed(flat["master"], scales["master_scale"] if master_dtype == "fp16" else None, flat["m"],
+                            scales["m_scale"], flat["v"], scales["v_scale"], torch.cat(grads), lengths, decay,
+                            step=step, **hp)
+        for k in ("master", "m", "v"):
+            want = torch.cat([st[k].reshape(-1) for st in states])
+            assert torch.equal(_bits(flat[k]), _bits(want)), (step, k)
+        for k in ("m_scale", "v_scale") + (("master_scale",) if master_dtype == "fp16" else ()):
+            assert torch.equal(scales[k], torch.stack([st[k] for st in states])), (step, k)
+    assert torch.isnan(flat["m"].float()).any()  # the NaN reached the state, as in the per-tensor update
+
+
+def test_power_of_two_scale_is_the_exact_floor_for_one_or_many():
+    """2**floor(log2(max / amax)) exactly (float64 math as the reference), the same bits whether the scales are
+    computed one at a time or all at once; amax just above a power-of-two boundary included."""
+    import math
+
+    from fp8.format import E4M3, scale_from_amax
+
+    boundaries = [65504 / 2.0 ** k for k in range(-3, 12)] + [448 / 2.0 ** k for k in range(-3, 12)]
+    amaxes = []
+    for b in boundaries:
+        x = torch.tensor(b, dtype=torch.float32)
+        amaxes += [x, torch.nextafter(x, torch.tensor(math.inf)), torch.nextafter(x, torch.tensor(0.0))]
+    amaxes += [torch.tensor(v) for v in (1e-30, 3.0, 0.1, 12345.678)]
+    a = torch.stack(amaxes)
+    for dtype in (torch.float16, E4M3):
+        many = scale_from_amax(a, dtype, power_of_two=True)
+        for i, x in enumerate(amaxes):
+            one = scale_from_amax(x, dtype, power_of_two=True)
+            raw = float(torch.tensor(float(torch.finfo(dtype).max), dtype=torch.float32) / x)  # the fp32 quotient
+            assert raw == float(torch.finfo(dtype).max) / float(x) or abs(raw / (float(torch.finfo(dtype).max) / float(x)) - 1) < 2 ** -24
+            assert float(one) == 2.0 ** math.floor(math.log2(raw)) == float(many[i]), (dtype, float(x), float(one))
+            assert float(x) * float(one) <= torch.finfo(dtype).max  # never scaled past the format's maximum
+
+
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu_loops", "fused_kernels"])
+def test_segments_against_per_tensor_loops(fused):
+    """fp8/segments.py against plain per-tensor torch: spread, max (NaN, empty, negative values) and sum."""
+    from fp8.segments import Segments
+
+    g = torch.Generator().manual_seed(3)
+    lengths = [3, 0, 1, 17, 0, 64, 5]
+    seg = Segments(lengths, "cpu", fused=fused)
+    x = torch.randn(sum(lengths), generator=g)
+    x[4] = float("nan")  # inside the fourth segment (elements 4..20)
+    pieces = x.split(lengths)
+    values = torch.randn(len(lengths), generator=g)
+    assert torch.equal(seg.spread(values), torch.cat([v.expand(n) for v, n in zip(values, lengths)]))
+    want_max = [float(p.abs().max()) if p.numel() else 0.0 for p in pieces]
+    got_max = seg.max(x.abs()).tolist()
+    assert [math.isnan(a) for a in got_max] == [math.isnan(b) for b in want_max] == [False, False, False, True] + [False] * 3
+    assert [a for a in got_max if not math.isnan(a)] == [b for b in want_max if not math.isnan(b)]
+    ints = torch.randint(-50, 50, (sum(lengths),), generator=g).double()   # integer values: any order is exact
+    assert seg.sum(ints).tolist() == [float(p.sum()) for p in ints.split(lengths)]
+    with pytest.raises(ValueError, match="expected a flat tensor of 90 elements"):
+        seg.max(torch.zeros(89))
+    assert Segments([], "cpu", fused=fused).max(torch.zeros(0)).numel() == 0

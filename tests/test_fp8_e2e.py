@@ -311,3 +311,19 @@ def test_resuming_in_another_precision_says_so_and_continues(fp8_checkpoint, bf1
     said = [s for s in out["stdout"].splitlines() if "resuming a precision=" in s]
     assert said == ([f"[checkpoint] {line} (step_00000003)"] if line else []), out["stdout"]
     assert sorted(out["losses"]) == [3, 4] and all(math.isfinite(v) for v in out["losses"].values())
+
+
+@pytest.mark.parametrize("world,overrides", [(1, []), (2, ["zero.stage=1"]),
+                                             (4, ["zero.stage=3", "zero.hpz_size=2", "parallel.ranks_per_node=4"])],
+                         ids=["single_stage0", "dp2_stage1", "dp4_stage3_hpz2"])
+def test_packed_unit_updates_give_the_per_tensor_bits(world, overrides):
+    """FP8-LM's whole-unit updates (AdamW, norm, weight dequantization: what CUDA runs, FP8_PACKED=1) give the
+    per-tensor loops' losses bit for bit (gradient clipping off: the norm's summation order differs)."""
+    over = [FP8, *overrides]
+    per_tensor = run_world(worker, world, over, 4, timeout=300, env={"FP8_PACKED": "0"})
+    packed = run_world(worker, world, over, 4, timeout=300, env={"FP8_PACKED": "1"})
+    for a, b in zip(per_tensor, packed):
+        assert a["losses"] == b["losses"], (a["losses"], b["losses"])
+        assert a["fp8"] == b["fp8"]
+        assert a["memory"] == b["memory"]
+    assert per_tensor[0]["losses"][-1] < per_tensor[0]["losses"][0]
