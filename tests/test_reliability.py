@@ -154,8 +154,12 @@ def test_preprocessing_refuses_ids_outside_the_vocabulary_naming_the_input(tmp_p
 
     tok = pre._load_tokenizer(str(SAMPLE.parent / "tokenizer.model"))
 
-    class OffByVocab:  # a tokenizer whose ids run past its vocabulary
-        vocab_size, eod_id = tok.vocab_size, tok.eod_id
+    class OffByVocab:  # the sample tokenizer, except that its ids run past its vocabulary
+        def __getattr__(self, name):
+            return getattr(tok, name)
+
+        def encode(self, text):
+            return tok.encode(text) + [tok.vocab_size]
 
         def encode_batch(self, texts):
             return [ids + [tok.vocab_size] for ids in tok.encode_batch(texts)]
