@@ -192,8 +192,9 @@ def two_hop_gather_worker(overrides, shard, cases):
         for f, s in zip(flat, shards):
             QuantizedGather(f, s, mesh.dp, Quant(bits, block)).wait()
         works = [QuantizedGather(t, s, mesh.dp, Quant(bits, block), route) for t, s in zip(two, shards)]
-        for w in works:  # three in flight: second hops launched in start order, whenever polled
-            w.advance(block=False)
+        for w in works:  # three in flight: second hops launched in start order, whenever polled, stopping at the
+            if not w.advance(block=False):  # first not ready, as sharded.py's poll does (a rank that skipped
+                break                       # one would issue the intra-node hops in another order: wrong bits)
         for w in works:
             w.wait()
         out.append((flat, two, route is not None))
