@@ -85,6 +85,17 @@ def _check(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: torch.
         raise TypeError(f"fp8 adam: grad must be float32 (unscaled and clipped by the caller), got {grad.dtype}")
 
 
+def _moments_and_step(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
+                      step: int, lr: float, beta1: float, beta2: float, eps: float) -> None:
+    """AdamW after the decay, in fp32 and in place: m, v, bias corrections and the parameter step, operation for
+    operation parallel/zero/adamw.py's (shared by the per-tensor and the packed update)."""
+    exp_avg.lerp_(grad, 1.0 - beta1)
+    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
+    step_size = lr / (1.0 - beta1 ** step)
+    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
+    p.addcdiv_(exp_avg, denom, value=-step_size)
+
+
 @torch.no_grad()
 def adamw_update(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: torch.Tensor,
                  m_scale: torch.Tensor, v: torch.Tensor, v_scale: torch.Tensor, grad: torch.Tensor, *,
@@ -105,11 +116,7 @@ def adamw_update(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: 
     # 2. the step in fp32: parallel/zero/adamw.py's operations in its order
     if weight_decay:
         p.mul_(1.0 - lr * weight_decay)
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    step_size = lr / (1.0 - beta1 ** step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    _moments_and_step(p, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, eps)
     # 3. requantize with fresh scales
     if not fp32_master:
         _requantize(p, master, master_scale)
@@ -154,11 +161,7 @@ def adamw_update_packed(master: torch.Tensor, master_scales: Optional[torch.Tens
     exp_avg = dequantize(m, segments.spread(m_scales))
     exp_avg_sq = dequantize(v, segments.spread(v_scales))
     p.mul_(segments.spread((1.0 - lr * weight_decays).to(torch.float32)))
-    exp_avg.lerp_(grad, 1.0 - beta1)
-    exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    step_size = lr / (1.0 - beta1 ** step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    _moments_and_step(p, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, eps)
     if not fp32_master:
         _requantize_packed(p, master, master_scales, segments)
     _requantize_packed(exp_avg, m, m_scales, segments)
