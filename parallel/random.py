@@ -79,7 +79,14 @@ class RNGTracker:
     def state_dict(self) -> Dict[str, torch.Tensor]:
         return {"default": self._get(), "tp": self.tp_state.clone(), "cpu": torch.get_rng_state()}
 
-    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> None:
+    def load_state_dict(self, state: Dict[str, torch.Tensor]) -> bool:
+        """Restore the streams; False (the dropout streams keep this run's seeding) when they were saved by
+        another kind of device: a CUDA generator's state (16 bytes, Philox) means nothing to the CPU's
+        (Mersenne Twister, 5056 bytes) and the other way round, so a GPU checkpoint resumed on CPU continues
+        with fresh, still per-rank-distinct dropout streams. The CPU stream is restored either way."""
         torch.set_rng_state(state["cpu"])
+        if state["default"].numel() != self._get().numel() or state["tp"].numel() != self.tp_state.numel():
+            return False
         self._set(state["default"])
         self.tp_state = state["tp"].clone()
+        return True

@@ -111,6 +111,25 @@ def test_state_dict_round_trip() -> None:
         assert torch.equal(_mask(), d)
 
 
+def test_state_from_another_kind_of_device_keeps_this_runs_streams() -> None:
+    """A checkpoint written on a GPU holds CUDA generator states (16 bytes, Philox: what
+    torch.cuda.get_rng_state returns); resuming it on CPU restores the CPU stream, keeps the tracker's own
+    seeded dropout streams (not an error: the H100 run found torch.set_rng_state refusing them) and says so."""
+    with torch.random.fork_rng():
+        cuda_like = torch.arange(16, dtype=torch.uint8)
+        cpu_state = _tracker(seed=9).state_dict()["cpu"]
+        fresh = _tracker(seed=5, tp_rank=1)
+        with torch.random.fork_rng(), fresh.fork():
+            want_tp = _mask()
+        fresh = _tracker(seed=5, tp_rank=1)
+        assert fresh.load_state_dict({"default": cuda_like, "tp": cuda_like.clone(), "cpu": cpu_state}) is False
+        assert torch.equal(torch.get_rng_state(), cpu_state)
+        # the dropout streams are still this run's: the default one is the CPU stream (restored just above), the
+        # tp one the tracker's own
+        with fresh.fork():
+            assert torch.equal(_mask(), want_tp)
+
+
 # ---- recomputation through the model -----------------------------------------------------------------
 
 def _model_cfg(mode: str):

@@ -481,5 +481,6 @@ class Checkpointer:
         engine.skipped_steps = meta["skipped_steps"]
         engine.scaler.load_state_dict(meta["loss_scaler"])
         engine.dp.set_optimizer_steps(engine.step - engine.skipped_steps)
-        if rng is not None:
-            engine.rng.load_state_dict(rng)
+        if rng is not None and not engine.rng.load_state_dict(rng) and self.mesh.rank == 0:
+            print("[checkpoint] the dropout RNG streams were saved on another kind of device (CUDA <-> CPU): "
+                  "they restart from this run's seeding; everything else resumes exactly", flush=True)
