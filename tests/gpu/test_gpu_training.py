@@ -5,20 +5,26 @@ Runs go through ``training.trainer.run`` in this process (the path ``python trai
 size 1 on CUDA, gloo on CPU) on the bundled sample corpus with the tiny preset, and are compared by their
 per-step records (``metrics.jsonl``: loss and gradient norm). The CPU run of the same seed is the reference.
 
-Tolerances (relative, per step, over 6 steps at the preset's learning rate after a 2-step warm-up):
-fp32 1e-4 on the loss and 1e-3 on the gradient norm (summation order, SDPA kernels; TF32 stays off);
-FP8 runs take 256-token steps (``FP8_SHAPE``: the CPU reference's FP8 GEMMs are slow);
-bf16 / fp16 2e-2 and 5e-2 (the same 16-bit roundings done in another order); fp8 2e-2 and 5e-2 (CPU and CUDA
-quantize the same operands; the CPU reference runs FP8 GEMMs through ``torch._scaled_mm`` where this torch
-has it on CPU, else through ``fp8.emulate``: the same operands multiplied after dequantizing). The loss
-falls by more than the loss tolerance over the run (checked), and the gradient norms move by several times
-theirs from step to step, so a broken step cannot pass.
+Tolerances (relative, per step, over 6 steps at the preset's learning rate after a 2-step warm-up), on the
+loss, the first step's gradient norm (the same weights on both devices) and the later steps' (after the
+trajectories have parted):
+fp32 1e-4 / 1e-3 / 1e-3 (summation order, SDPA kernels; TF32 stays off);
+bf16 / fp16 2e-2 / 5e-2 / 5e-2 (the same 16-bit roundings done in another order);
+fp8 2e-3 / 1e-2 / 0.15. FP8 runs take 256-token steps (``FP8_SHAPE``: the CPU reference's FP8 GEMMs are slow),
+and at that size the gradient norm of an FP8 run is chaotic once the weights differ in a few FP8 roundings:
+two CPU runs that differ only in how the FP8 GEMM accumulates (``torch._scaled_mm`` against ``fp8.emulate``)
+measured 0.07% apart at step 1 and up to 4.5% (clip 1.0) / 7% (no clipping) by steps 4-6, while their losses
+stayed within 4e-4; an H100 against CPU measured 0.16% at step 1, 7% at step 6, losses within 2.2e-4. The CPU
+reference runs FP8 GEMMs through ``torch._scaled_mm`` where this torch has it on CPU, else through
+``fp8.emulate`` (the same operands multiplied after dequantizing). The loss falls by more than the loss
+tolerance over the run (checked), and the gradient norms move by several times theirs from step to step, so a
+broken step cannot pass.
 """
 from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Dict, List
+from typing import Dict, List, Optional
 
 import pytest
 import torch
@@ -27,7 +33,9 @@ from tests.gpu.gpu_utils import cpu_scaled_mm_works, world_of_one
 
 ROOT = Path(__file__).resolve().parents[2]
 STEPS = 6
-TOL = {"fp32": (1e-4, 1e-3), "bf16": (2e-2, 5e-2), "fp16": (2e-2, 5e-2), "fp8": (2e-2, 5e-2)}
+# (loss, gradient norm at step 1, gradient norm later): see the module docstring
+TOL = {"fp32": (1e-4, 1e-3, 1e-3), "bf16": (2e-2, 5e-2, 5e-2), "fp16": (2e-2, 5e-2, 5e-2),
+       "fp8": (2e-3, 1e-2, 0.15)}
 # FP8 GEMMs on CPU (the reference) run at ~60 tokens/s: FP8 runs use 256-token steps (every GEMM dimension
 # still a multiple of 16, as CUDA's _scaled_mm needs)
 FP8_SHAPE = ["model.seq_len=64", "train.micro_batch_size=2", "train.global_batch_size=4"]
@@ -51,10 +59,12 @@ def _train(run_dir: Path, device: str, *overrides: str) -> Dict[int, dict]:
     return {r["step"]: r for r in records if "loss" in r}
 
 
-def _compare(got: Dict[int, dict], want: Dict[int, dict], tol_loss: float, tol_norm: float, steps) -> List[str]:
+def _compare(got: Dict[int, dict], want: Dict[int, dict], tol_loss: float, tol_norm: float, steps,
+             tol_norm_later: Optional[float] = None) -> List[str]:
     bad = []
     for s in steps:
-        for key, tol in (("loss", tol_loss), ("grad_norm", tol_norm)):
+        norm_tol = tol_norm if s == min(steps) or tol_norm_later is None else tol_norm_later
+        for key, tol in (("loss", tol_loss), ("grad_norm", norm_tol)):
             a, b = got[s][key], want[s][key]
             if not abs(a - b) <= tol * abs(b):
                 bad.append(f"step {s} {key}: cuda {a:.6g} vs cpu {b:.6g} (rel {abs(a - b) / abs(b):.2e} > {tol:g})")
@@ -73,11 +83,12 @@ def test_training_steps_on_cuda_match_cpu(tmp_path, precision):
     cpu = _train(tmp_path / "cpu", "cpu", *ref_extra)
     gpu = _train(tmp_path / "cuda", "cuda", *extra)
     assert sorted(gpu) == sorted(cpu) == list(range(1, STEPS + 1))
-    tol_loss, tol_norm = TOL[precision]
+    tol_loss, tol_norm, tol_later = TOL[precision]
     for s in cpu:
         print(f"{precision} step {s}: loss cpu {cpu[s]['loss']:.5f} cuda {gpu[s]['loss']:.5f}; grad norm cpu "
               f"{cpu[s]['grad_norm']:.5f} cuda {gpu[s]['grad_norm']:.5f}")
-    assert not _compare(gpu, cpu, tol_loss, tol_norm, cpu), _compare(gpu, cpu, tol_loss, tol_norm, cpu)
+    bad = _compare(gpu, cpu, tol_loss, tol_norm, sorted(cpu), tol_later)
+    assert not bad, bad
     fall = cpu[1]["loss"] - cpu[STEPS]["loss"]
     assert fall > tol_loss * cpu[1]["loss"], f"the loss must fall for the comparison to mean anything ({fall})"
     assert gpu[STEPS]["peak_mem_bytes"] > 0
@@ -97,8 +108,8 @@ def test_zero3_gather_release_prefetch_on_cuda(tmp_path, precision):
           *(FP8_SHAPE if precision == "fp8" else [])]
     ref = _train(tmp_path / "cpu", "cpu", *z3)
     zero3 = _train(tmp_path / "stage3", "cuda", *z3)
-    tol_loss, tol_norm = TOL[precision]
-    assert not _compare(zero3, ref, tol_loss, tol_norm, ref), _compare(zero3, ref, tol_loss, tol_norm, ref)
+    bad = _compare(zero3, ref, *TOL[precision][:2], sorted(ref), TOL[precision][2])
+    assert not bad, bad
     # the stage-3 run really gathered and released: a working set was counted
     assert zero3[1]["model_state_bytes"]["working_peak"] > 0
     if precision == "bf16":  # bf16 ZeRO-3 is stage 0's arithmetic in other buffers (FP8-LM's stage 3 is not)
