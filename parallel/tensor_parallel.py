@@ -32,6 +32,7 @@ from fp8.linear import fp8_linear
 from fp8.scaling import Fp8States
 from parallel import comm
 from parallel.comm import Group
+from parallel.cpu_gemm import linear
 
 
 @dataclass
@@ -220,7 +221,7 @@ class ColumnParallelLinear(nn.Module):
             x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
             return fp8_linear(x, weight, bias, self.fp8_states, self.tp, sp_gather=False, emulate=emulate)
         x = gather_from_sp(x, self.tp) if self.sequence_parallel else copy_to_tp(x, self.tp)
-        return F.linear(x, weight, bias)
+        return linear(x, weight, bias)
 
 
 class LinearWeights(nn.Module):
@@ -310,7 +311,7 @@ class RowParallelLinear(nn.Module):
         if self.fp8_states is not None:
             y = fp8_linear(x, self.weight, None, self.fp8_states, self.tp, sp_gather=False, emulate=self.fp8.emulate)
         else:
-            y = F.linear(x, self.weight)
+            y = linear(x, self.weight)
         y = scatter_to_sp(y, self.tp) if self.sequence_parallel else reduce_from_tp(y, self.tp)
         return y + self.bias if self.bias is not None else y
 
