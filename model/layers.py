@@ -17,6 +17,7 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel.comm import Group
+from parallel.cpu_gemm import attention
 from parallel.random import RNGTracker
 from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, RowParallelLinear, new_param,
                                       scaled_init_std)
@@ -140,8 +141,7 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads
         with self.ctx.rng.fork():
-            o = F.scaled_dot_product_attention(q, k, v, is_causal=True,
-                                               dropout_p=self.dropout if self.training else 0.0, **gqa)
+            o = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, **gqa)
         return o.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

@@ -124,3 +124,42 @@ def test_under_autocast_the_gemm_runs_in_fp32_on_the_autocast_rounded_operands(m
             assert torch.allclose(b.grad, torch.full_like(b, 120.0))
     finally:
         cpu_gemm.upcasts.cache_clear()
+
+
+@pytest.mark.parametrize("under_autocast", [False, True])
+def test_upcast_attention_is_the_float64_attention_rounded_once(monkeypatch, under_autocast):
+    """Causal attention on bf16 operands (GQA too): the output within one bf16 rounding (plus the fp32 kernel's
+    own error) of the float64 softmax(q k^T / sqrt(d)) v of the same operands; the kernel saw fp32 with
+    autocast off; gradients come back in the operands' dtype."""
+    from parallel import cpu_gemm
+
+    seen = []
+    real = F.scaled_dot_product_attention
+
+    def spy(*args, **kwargs):
+        seen.append((tuple(a.dtype for a in args), torch.is_autocast_enabled("cpu")))
+        return real(*args, **kwargs)
+
+    monkeypatch.setenv("GPT_CPU_GEMM", "fp32")
+    monkeypatch.setattr(cpu_gemm.F, "scaled_dot_product_attention", spy)
+    cpu_gemm.upcasts.cache_clear()
+    try:
+        g = torch.Generator().manual_seed(4)
+        q = torch.randn(2, 4, 33, 16, generator=g).bfloat16().requires_grad_()
+        k = torch.randn(2, 2, 33, 16, generator=g).bfloat16().requires_grad_()
+        v = torch.randn(2, 2, 33, 16, generator=g).bfloat16().requires_grad_()
+        ctx = torch.autocast("cpu", dtype=torch.bfloat16) if under_autocast else torch.autocast("cpu", enabled=False)
+        with ctx:
+            o = cpu_gemm.attention(q, k, v, is_causal=True, enable_gqa=True)
+        assert seen == [((torch.float32,) * 3, False)] and o.dtype == torch.bfloat16
+        q64, k64, v64 = (t.detach().double().repeat_interleave(r, 1) for t, r in ((q, 1), (k, 2), (v, 2)))
+        s = q64 @ k64.transpose(-1, -2) / 4.0
+        s = s.masked_fill(torch.ones(33, 33, dtype=torch.bool).triu(1), float("-inf"))
+        want = s.softmax(-1) @ v64
+        err = (o.double() - want).abs()
+        assert (err <= _ulp(want, torch.bfloat16) + 1e-5).all(), float(err.max())
+        o.float().sum().backward()
+        assert q.grad.dtype == k.grad.dtype == v.grad.dtype == torch.bfloat16
+        assert torch.isfinite(q.grad.float()).all() and k.grad.float().abs().sum() > 0
+    finally:
+        cpu_gemm.upcasts.cache_clear()
