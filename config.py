@@ -195,8 +195,9 @@ class ZeroConfig:
     """Stage 3: gather the next modules' parameters while the current one computes (no effect below stage 3)."""
     prefetch_depth: int = 2
     """Stage 3 with zero.prefetch: how many modules ahead (forward) or behind (backward) are gathered while one
-    computes. Deeper covers a slower link; each module ahead holds its gathered parameters (training/memory.py
-    counts them in the working peak)."""
+    computes; the optimizer step starts the gathers of the next forward's first depth + 1 modules. Deeper covers a
+    slower link; each module ahead holds its gathered parameters (training/memory.py counts them in the working
+    peak)."""
     reduce_in_flight: int = 2
     """Stages 2-3: gradient reduce-scatters (or qgZ reduces) allowed in flight while backward continues; each
     holds its unit's full gradient buffer until it arrives (counted in the working peak)."""

@@ -91,19 +91,29 @@ def gather_state_worker(overrides):
     from tests.parallel_utils import batch_fn, build_engine, tiny_config
 
     engine = build_engine(tiny_config(*overrides))
+    dp = engine.dp
     engine.train_step(batch_fn(engine, 0))
-    after_step = (engine.dp.working.now, [u.gathered for u in engine.dp.units])
+    held = [u.gathered or u.gather_work is not None for u in dp.units]
+    ahead = [any(u is a for a in dp._next_forward_units()) for u in dp.units]
+    ahead_bytes = sum(u.full_bytes for u, a in zip(dp.units, ahead) if a)
+    after_step = (dp.working.now, held, ahead, ahead_bytes)
     engine.eval_loss(batch_fn(engine, 1000))
-    after_eval = (engine.dp.working.now, [u.gathered for u in engine.dp.units])
-    return after_step, after_eval, engine.dp.working.peak
+    after_eval = (dp.working.now, [u.gathered or u.gather_work is not None for u in dp.units])
+    return after_step, after_eval, dp.working.peak
 
 
-def test_stage3_releases_everything_after_a_step_and_after_no_grad_validation():
-    for r in run_world(gather_state_worker, 4, ["zero.stage=3", "parallel.pp=2", "model.tie_embeddings=true"]):
-        (step_bytes, step_gathered), (eval_bytes, eval_gathered), peak = r
+@pytest.mark.parametrize("depth", [0, 2])
+def test_stage3_releases_everything_after_a_step_and_after_no_grad_validation(depth):
+    """After a step only the next forward's first gathers are held (in flight: prefetch depth + 1 modules,
+    none without prefetch); validation (no_grad) consumes and releases them, leaking nothing."""
+    prefetch = [f"zero.prefetch_depth={depth}"] if depth else ["zero.prefetch=false"]
+    for r in run_world(gather_state_worker, 4, ["zero.stage=3", "parallel.pp=2", "model.tie_embeddings=true",
+                                                *prefetch]):
+        (step_bytes, held, ahead, ahead_bytes), (eval_bytes, eval_held), peak = r
         assert peak > 0
-        assert step_bytes == 0 and not any(step_gathered), "gathered buffers leaked out of the training step"
-        assert eval_bytes == 0 and not any(eval_gathered), "validation (no_grad) leaked gathered weights"
+        assert held == ahead, "after the step, exactly the next forward's first units may be held"
+        assert step_bytes == ahead_bytes and (any(ahead) == (depth > 0)), (step_bytes, ahead_bytes, ahead)
+        assert eval_bytes == 0 and not any(eval_held), "validation (no_grad) leaked gathered weights"
 
 
 def test_bf16_zero3_tracks_stage0():

@@ -366,7 +366,8 @@ class ZeroDataParallel:
         t = self.cfg.train
         self.optimizer_steps += 1
         gathers = []
-        for u in self.units:
+        ahead = self._next_forward_units()
+        for u in ahead + [u for u in self.units if all(u is not a for a in ahead)]:
             grad = u.grad_shard.float() * self._factor
             adamw_step(u.master, grad, u.exp_avg, u.exp_avg_sq, u.decay, self.optimizer_steps, lr, t.beta1,
                        t.beta2, t.eps, t.weight_decay)
@@ -378,8 +379,26 @@ class ZeroDataParallel:
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
             u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
+            if any(u is a for a in ahead):  # stage 3: the next forward's first gathers leave now
+                self._start_gather(u)  # (a two-hop gather's second hop waits for the next forward's polls)
         for work in gathers:  # all launched; waited for in launch order (two-hop ones advance in that order)
             work.wait()
+
+    def _next_forward_units(self) -> List[Unit]:
+        """Stage 3 with prefetch: the units of the first ``zero.prefetch_depth`` + 1 modules of the recorded
+        forward of the first chunk, in that order (empty otherwise). ``step`` updates them first and starts
+        their gathers at once, so the link carries the next forward's first weights while the other units'
+        AdamW, the metrics and the stop check run; the forward's hooks then wait for them as for any prefetch
+        (the same gathers of the same shards, so the same bits). At most what the forward's own prefetch
+        would hold, so the working set's peak (and the memory estimate) is unchanged. The bytes a step's window
+        counts stay one step's: its prefetch for the next step replaces what the previous one sent for it
+        (second hops of two-hop gathers are launched by the next forward, not here, so that holds per hop)."""
+        if self.stage != 3 or not self.depth or not self._order or self._order[0] is None:
+            return []
+        out: List[Unit] = []
+        for use in self._order[0][:self.depth + 1]:
+            out += [u for u in use.units if all(u is not o for o in out)]
+        return out
 
     def _quantized_step_gather(self) -> bool:
         """Stages 1-2 with qwZ: the post-step all-gather of the updated parameters is quantized."""
