@@ -12,6 +12,10 @@ ranks of one node goes over that namespace's loopback, traffic between nodes ove
 counters (``/proc/<pid in namespace>/net/dev``, the same numbers as ``/sys/class/net/veth0/statistics``) are
 sampled every 20 ms and read at the step boundaries rank 0 logs.
 
+The step time of a row is wall clock per step over the measured steps (the same window as the wire counters),
+so it includes the training loop's own work between steps (metrics, the stop check) and any communication that
+runs there; the trainer's ``step_time_s`` (``train_step`` alone) is kept in the JSON as ``train_step_s``.
+
 Every row runs twice: a shaped pass (the step time, the wire bytes and from them the bound: the busiest link
 direction's bytes per step / the link rate, what the wire alone needs) and an unshaped pass, the same row with
 the links' tbf (and netem) taken off (``netemu.Cluster.unshaped``), so that its step time is compute plus local
@@ -235,7 +239,11 @@ def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, r
     c0, c1 = sampler.at(first["time"]), sampler.at(last["time"])
     rx = [(b[0] - a[0]) / n for a, b in zip(c0, c1)]
     tx = [(b[1] - a[1]) / n for a, b in zip(c0, c1)]
-    step_time = statistics.median(r["step_time_s"] for r in steady)
+    # wall clock per step over the wire counters' window (first..last record's end-of-step time): what a step
+    # costs including the loop's own work between steps (metrics, the stop check), so communication that
+    # runs there (a gather started by the optimizer step) is not hidden from the figure; the trainer's
+    # own step_time_s (train_step alone) is kept beside it
+    step_time = (last["time"] - first["time"]) / n
     tokens = (2 * world) * cluster_seq_len(args)
     inter_rank0 = statistics.median(r["comm"]["by_link"]["inter"] for r in steady)
     if "comm_by_rank" in steady[0]:
@@ -259,6 +267,7 @@ def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, r
                 "wire_tx_by_node": tx, "wire_rx_by_node": rx, "busiest_direction_bytes": busiest,
                 "lower_bound_s": lower_bound, "ratio_to_bound": step_time / lower_bound if lower_bound else None,
                 "steps_measured": n, "loss_last": last.get("loss"),
+                "train_step_s": statistics.median(r["step_time_s"] for r in steady),
                 "step_times": [r["step_time_s"] for r in recs]})
     return out
 
