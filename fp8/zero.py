@@ -149,6 +149,7 @@ class Fp8Unit:
             p.data = self.full[a:b].view(p.shape)
         self.full.untyped_storage().resize_(0)
         self.gathered, self.gather_work = False, None
+        self.ledger_held = None  # (parallel/zero/sharded.py: records of a gather an optimizer step started)
         self.arrived, self.reduced, self.tied = 0, False, False
 
     @property

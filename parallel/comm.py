@@ -30,11 +30,12 @@ little later see "connection closed" before their own timeout, and still learn w
 """
 from __future__ import annotations
 
+import contextlib
 import re
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
-from typing import Any, Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
@@ -49,9 +50,31 @@ class Ledger:
     """Bytes sent by this rank, keyed by (kind, link, group name)."""
 
     bytes: Dict[Tuple[str, str, str], int] = field(default_factory=lambda: defaultdict(int))
+    _held: Optional[List[Tuple[Tuple[str, str, str], int]]] = field(default=None, repr=False)
 
     def record(self, kind: str, group: "Group", nbytes: float) -> None:
-        self.bytes[(kind, group.link, group.name)] += int(round(nbytes))
+        entry = ((kind, group.link, group.name), int(round(nbytes)))
+        if self._held is not None:
+            self._held.append(entry)
+        else:
+            self.bytes[entry[0]] += entry[1]
+
+    @contextlib.contextmanager
+    def deferred(self) -> Iterator[List[Tuple[Tuple[str, str, str], int]]]:
+        """Collectives launched inside are counted not now but when ``replay`` is given the list this yields:
+        a gather launched ahead of the step that uses it (ZeRO-3's optimizer step starts the next forward's
+        first gathers) is counted in that step, so a step's record stays the bytes that step needs."""
+        if self._held is not None:
+            raise RuntimeError("Ledger.deferred does not nest")
+        self._held = held = []
+        try:
+            yield held
+        finally:
+            self._held = None
+
+    def replay(self, held: List[Tuple[Tuple[str, str, str], int]]) -> None:
+        for key, n in held:
+            self.bytes[key] += n
 
     def reset(self) -> None:
         self.bytes.clear()

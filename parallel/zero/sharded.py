@@ -152,6 +152,7 @@ class Unit:
         self.reduced = False  # this step's reduce-scatter launched
         self.gathered = stage < 3
         self.gather_work = None
+        self.ledger_held = None  # the ledger records of a gather the optimizer step started (see step)
         # hpZ: this rank's slice of the gathered buffer, valid from the first forward after an optimizer step
         # (training or validation) until the next one
         self.secondary = torch.zeros(n * s // hpz, dtype=compute, device=mesh.device) if hpz > 1 else None
@@ -380,7 +381,9 @@ class ZeroDataParallel:
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
             u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
             if any(u is a for a in ahead):  # stage 3: the next forward's first gathers leave now
-                self._start_gather(u)  # (a two-hop gather's second hop waits for the next forward's polls)
+                with self.mesh.ledger.deferred() as held:  # counted in the step that uses them
+                    self._start_gather(u)  # (a two-hop gather's second hop waits for the next forward's polls)
+                u.ledger_held = held
         for work in gathers:  # all launched; waited for in launch order (two-hop ones advance in that order)
             work.wait()
 
@@ -390,9 +393,10 @@ class ZeroDataParallel:
         their gathers at once, so the link carries the next forward's first weights while the other units'
         AdamW, the metrics and the stop check run; the forward's hooks then wait for them as for any prefetch
         (the same gathers of the same shards, so the same bits). At most what the forward's own prefetch
-        would hold, so the working set's peak (and the memory estimate) is unchanged. The bytes a step's window
-        counts stay one step's: its prefetch for the next step replaces what the previous one sent for it
-        (second hops of two-hop gathers are launched by the next forward, not here, so that holds per hop)."""
+        would hold, so the working set's peak (and the memory estimate) is unchanged. The ledger counts these
+        gathers when a forward uses them (``Ledger.deferred``): in the next training step, or in a validation
+        pass that comes first (whose gathers the metrics never counted), so every step's record is the bytes
+        that step needs, as without this (a run's last step starts gathers nothing uses: not counted)."""
         if self.stage != 3 or not self.depth or not self._order or self._order[0] is None:
             return []
         out: List[Unit] = []
@@ -434,6 +438,9 @@ class ZeroDataParallel:
             unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
 
     def _gather(self, unit: Unit) -> None:
+        if unit.ledger_held is not None:  # started by the optimizer step: counted now, by the step using it
+            self.mesh.ledger.replay(unit.ledger_held)
+            unit.ledger_held = None
         self._start_gather(unit)
         if unit.gather_work is not None:
             if self._gathering:
