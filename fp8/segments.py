@@ -39,8 +39,7 @@ class Segments:
         self.fused = self.device.type == "cuda" if fused is None else fused
         # made once, on the device (a host-to-device copy inside a step would synchronise): where segments 1..T-1
         # start (an empty segment's start equals the next one's), and which segments hold elements
-        starts = torch.tensor(self.lengths[:-1], dtype=torch.int64).cumsum(0) if self.lengths else torch.zeros(0)
-        self._starts = starts.to(torch.int64).to(self.device)
+        self._starts = torch.tensor(self.lengths[:-1], dtype=torch.int64).cumsum(0).to(self.device)
         self._nonempty = [i for i, n in enumerate(self.lengths) if n]
         self._nonempty_index = torch.tensor(self._nonempty, dtype=torch.int64, device=self.device)
 

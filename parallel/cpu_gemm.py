@@ -78,27 +78,35 @@ class _UpcastLinear(torch.autograd.Function):
         return grad_x, grad_w, grad_b
 
 
+def _upcast_dtype(*operands: torch.Tensor) -> Optional[torch.dtype]:
+    """The 16-bit dtype a CPU GEMM of ``operands`` would run in, if it is one computed in fp32 here: CPU
+    autocast's dtype when autocast is on (it casts every operand to it), else the operands' own dtype when
+    they share one; None otherwise (the native kernel runs)."""
+    if operands[0].device.type != "cpu":
+        return None
+    autocast = torch.is_autocast_enabled("cpu")
+    dtype = torch.get_autocast_dtype("cpu") if autocast else operands[0].dtype
+    same = all(t.dtype == dtype for t in operands)
+    return dtype if dtype in _NATIVE_FLAGS and (autocast or same) and upcasts(dtype) else None
+
+
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``F.linear(x, weight, bias)``; in fp32 (rounded once) for 16-bit CPU GEMMs where ``upcasts``: the
     operands' own 16-bit dtype, or under CPU autocast its dtype (the operands are cast to it first, as
     autocast would; autocast is then off inside, or it would cast the fp32 upcasts straight back)."""
-    if x.device.type == "cpu":
-        autocast = torch.is_autocast_enabled("cpu")
-        dtype = torch.get_autocast_dtype("cpu") if autocast else x.dtype
-        if dtype in _NATIVE_FLAGS and upcasts(dtype) and (autocast or x.dtype == weight.dtype):
-            with torch.autocast("cpu", enabled=False):
-                return _UpcastLinear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
+    dtype = _upcast_dtype(x, weight)
+    if dtype is not None:
+        with torch.autocast("cpu", enabled=False):
+            return _UpcastLinear.apply(x.to(dtype), weight.to(dtype), None if bias is None else bias.to(dtype))
     return F.linear(x, weight, bias)
 
 
 def attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, **kwargs) -> torch.Tensor:
     """``F.scaled_dot_product_attention(q, k, v, **kwargs)``; on the fp32 upcasts of 16-bit CPU operands (or of
     operands under CPU autocast, cast to its dtype first) where ``upcasts``, the output rounded back once."""
-    if q.device.type == "cpu":
-        autocast = torch.is_autocast_enabled("cpu")
-        dtype = torch.get_autocast_dtype("cpu") if autocast else q.dtype
-        if dtype in _NATIVE_FLAGS and upcasts(dtype) and (autocast or q.dtype == k.dtype == v.dtype):
-            with torch.autocast("cpu", enabled=False):
-                up = [t.to(dtype).float() for t in (q, k, v)]
-                return F.scaled_dot_product_attention(*up, **kwargs).to(dtype)
+    dtype = _upcast_dtype(q, k, v)
+    if dtype is not None:
+        with torch.autocast("cpu", enabled=False):
+            up = [t.to(dtype).float() for t in (q, k, v)]
+            return F.scaled_dot_product_attention(*up, **kwargs).to(dtype)
     return F.scaled_dot_product_attention(q, k, v, **kwargs)
