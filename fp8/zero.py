@@ -326,28 +326,34 @@ class Fp8DataParallel(ZeroDataParallel):
         return dequantize(u.grad8[a:b].view(self.grad_fmt), u.grad_scale[i])
 
     # -- optimizer --------------------------------------------------------------------------------
-    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
-        """Global norm of the reduced gradients (mu is a loss scale here); then mu follows the overflow count."""
+    def norm_terms(self) -> torch.Tensor:
+        """This rank's addends to the step's world sum (float64, ``Engine.train_step``): the squared norm of the
+        reduced gradients it owns (stage 0: on DP rank 0 only, every DP rank holding every gradient), then the
+        overflow counts (overflowing or saturated elements, elements counted) since the last step."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
-        for u in self.units:  # packed: the per-tensor sums of squares of a whole unit at once
-            if not u.packed:
-                for i in u.owned:
-                    if u.in_norm[i]:
-                        sq += self._grad(u, i).square().sum()
-            elif u.owned:
-                pk = u.packing()
-                per_tensor = pk["owned"].sum(self._owned_grads(u).square())
-                sq += torch.where(pk["in_norm"], per_tensor, torch.zeros_like(per_tensor)).sum()
-        # stage 0: every DP rank holds every gradient, so the norm is over the model-parallel ranks only
-        comm.all_reduce(sq, self.mesh.mp if self.stage == 0 else self.mesh.world)
-        counts = self._overflow.clone()
-        comm.all_reduce(counts, self.mesh.world)
+        if self.stage != 0 or self.mesh.dp_rank == 0:
+            for u in self.units:  # packed: the per-tensor sums of squares of a whole unit at once
+                if not u.packed:
+                    for i in u.owned:
+                        if u.in_norm[i]:
+                            sq += self._grad(u, i).square().sum()
+                elif u.owned:
+                    pk = u.packing()
+                    per_tensor = pk["owned"].sum(self._owned_grads(u).square())
+                    sq += torch.where(pk["in_norm"], per_tensor, torch.zeros_like(per_tensor)).sum()
+        terms = torch.cat([sq.double(), self._overflow])
         self._overflow.zero_()
+        return terms
+
+    def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
+        """Global norm of the reduced gradients (mu is a loss scale here), given ``norm_terms`` summed over the
+        world; then mu follows the overflow count."""
+        sq, overflowing, counted = terms.tolist()
         mu = self.autoscale.mu
-        norm = math.sqrt(sq.item()) / (loss_scale * mu)
+        norm = math.sqrt(sq) / (loss_scale * mu) if sq >= 0 else math.nan
         finite = math.isfinite(norm)
-        overflow = counts[0].item() if finite else counts[1].item()
-        self.autoscale.update(int(overflow), max(int(counts[1].item()), 1))
+        overflow = overflowing if finite else counted
+        self.autoscale.update(int(overflow), max(int(counted), 1))
         self.mu_record = {"mu": mu, "overflow_fraction": self.autoscale.last_fraction,
                           "mu_changes": self.autoscale.changes}
         if not finite:

@@ -29,7 +29,7 @@ from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.comm import Group
 from parallel.mesh import Mesh
-from parallel.optim_rules import build_optimizer, unscale_and_clip
+from parallel.optim_rules import build_optimizer, local_grad_sq, unscale_and_clip
 from parallel.zero.dcp_view import shard_view
 
 
@@ -132,10 +132,18 @@ class DataParallel:
         for p in self._tied:  # input embedding (first stage) and its copy, the output weight (last stage)
             comm.all_reduce(p.grad, self.mesh.embedding)
 
-    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+    def norm_terms(self) -> torch.Tensor:
+        """This rank's addends to the step's world sum (float64, ``Engine.train_step``): the squared norm of
+        the gradients it owns on DP rank 0, nothing on the others (every DP replica holds the same gradients),
+        so the world's sum is the model-parallel group's."""
+        if self.mesh.dp_rank != 0:
+            return torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
+        return local_grad_sq(list(self.params.values()), self.mesh.tp_rank, self.mesh.device).double()
+
+    def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
+        """Unscale and clip, given ``norm_terms`` summed over the world."""
         buffers = [buf for b in self.buckets for buf in b.buckets]
-        return unscale_and_clip(list(self.params.values()), buffers, self.mesh.mp, self.mesh.tp_rank, loss_scale,
-                                max_norm)
+        return unscale_and_clip(buffers, terms[0].item(), loss_scale, max_norm)
 
     def step(self, lr: float) -> None:
         for group in self.optimizer.param_groups:

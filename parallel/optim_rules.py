@@ -55,17 +55,19 @@ def grad_factor(norm: float, loss_scale: float, max_norm: float) -> float:
     return factor
 
 
-def unscale_and_clip(params: List[nn.Parameter], buffers: List[torch.Tensor], mp: Group, tp_rank: int,
-                     loss_scale: float, max_norm: float) -> Tuple[float, bool]:
-    """Global gradient norm over the model-parallel group, then one in-place pass that unscales and clips.
+def local_grad_sq(params: List[nn.Parameter], tp_rank: int, device: torch.device) -> torch.Tensor:
+    """Squared L2 norm of the gradients this rank owns (``owns_gradient``), fp32, shape (1,)."""
+    owned = [p.grad for p in params if owns_gradient(p, tp_rank)]
+    local = torch.nn.utils.get_total_norm(owned, 2.0) if owned else torch.zeros((), device=device)
+    return (local.float() ** 2).reshape(1)
+
+
+def unscale_and_clip(buffers: List[torch.Tensor], sq: float, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+    """Given the global squared norm of the scaled gradients, one in-place pass that unscales and clips.
 
     Returns (norm of the unscaled gradients, finite). Non-finite gradients are left untouched.
     """
-    owned = [p.grad for p in params if owns_gradient(p, tp_rank)]
-    local = torch.nn.utils.get_total_norm(owned, 2.0) if owned else torch.zeros((), device=buffers[0].device)
-    sq = (local.float() ** 2).reshape(1)
-    comm.all_reduce(sq, mp)
-    norm = sq.sqrt().item() / loss_scale
+    norm = math.sqrt(sq) / loss_scale if sq >= 0 else math.nan  # sq is NaN or inf with non-finite gradients
     if not math.isfinite(norm):
         return norm, False
     factor = grad_factor(norm, loss_scale, max_norm)

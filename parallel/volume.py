@@ -22,8 +22,10 @@ of the replicated K/V weight gradient over its holders (group ``tp_kv``).
 PP: every forward that feeds a later virtual stage sends ``a / t`` (SP) or ``a``
 bytes; every backward that feeds an earlier one sends the same. DP: the gradient
 buckets, ``2 (d-1)/d * 4 * parameters``. Tied embeddings add one all-reduce of
-the embedding shard over first+last stage. Tiny control reductions (loss, norm)
-are in ``world`` and ``mp``.
+the embedding shard over first+last stage. The step's scalars cross the world in
+one all-reduce of float64 values (``Engine.train_step``): the loss, the strategy's
+norm terms (the squared gradient norm; FP8-LM adds its two overflow counts) and the
+trainer's ``STOP_FLAGS`` stop flags, in ``world``.
 """
 from __future__ import annotations
 
@@ -35,6 +37,9 @@ from model.flops import parameter_count
 from parallel.layout import Layout, kv_replicas
 from parallel.schedule import sends, train_schedule
 
+STOP_FLAGS = 2
+"""Values the trainer adds to the step's scalar all-reduce (``training/trainer._stop_flags``: signal, time limit)."""
+
 DTYPE_BYTES = {"fp32": 4, "bf16": 2, "fp16": 2, "fp8": 2}
 """Bytes of the compute dtype (fp8: activations are bf16 outside the FP8 GEMMs)."""
 
@@ -45,9 +50,11 @@ def _ring(n: int) -> float:
 
 
 def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,
-               first_step: bool = False) -> Dict[str, float]:
+               first_step: bool = False, stop_flags: int = 0) -> Dict[str, float]:
     """Bytes this rank sends in one training step, by group name.
 
+    ``stop_flags``: values the caller adds to the step's scalar all-reduce (the trainer: ``STOP_FLAGS``; a bare
+    ``Engine.train_step``: none).
     ``secondary_valid``: ZeRO-3 with hpZ, a validation pass ran since the last optimizer step and built the
     secondary copies, so this step gathers only from them (``zero_step_bytes``). ``first_step``: the first step
     of a run (or after a resume without qWD's reconstructed weights), where ZeRO-3's qWD gathers exactly."""
@@ -109,11 +116,11 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
         out["dp"] += _ring(layout.dp) * 4 * local_params
         if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
             out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
-        out["mp"] += _ring(pp * t) * 4
     else:
         for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid, first_step).items():
             out[group] += nbytes
-    out["world"] += _ring(layout.world_size) * 4
+    norm_terms = 3 if fp8 else 1
+    out["world"] += _ring(layout.world_size) * 8 * (1 + norm_terms + stop_flags)
     return dict(out)
 
 
@@ -138,7 +145,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                   (dp_intra at zero.gradient_bits_intra, dp_inter at zero.gradient_bits) of ``QgzPlan`` instead
                   of the reduce-scatter
       all         sequence-parallel gradient pieces in this rank's shards all-reduced over TP; the tied
-                  embedding's gradient shard over first + last stage; the norm's square sum over the world
+                  embedding's gradient shard over first + last stage (the norm's square sum: in the step's
+                  scalar all-reduce, ``step_bytes``)
     (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
@@ -180,7 +188,6 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
             out["tp"] += _ring(t) * sp * e_r
             if tie and (unit.name == "embedding" or any(p.spec.shared_with for p in unit.params)):
                 out["embedding"] += _ring(2) * s * e_r
-    out["world"] += _ring(layout.world_size) * 4
     return dict(out)
 
 
@@ -286,9 +293,9 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: b
                   hpZ the first from primary shards (none with ``secondary_valid``: a validation pass built the
                   secondary copies) and the rest (H-1)(ceil(P / H) + 4 T) on dp_hpz (P the unit's elements: the
                   secondary slices hold the compact E4M3 bytes, no layout padding)
-      always      sequence-parallel gradient pieces of the unit (fp32) all-reduced over TP; the gradient
-                  norm's square (fp32) over the world (stage 0: the model-parallel ranks) and mu's overflow
-                  and element counts (two fp64) over the world."""
+      always      sequence-parallel gradient pieces of the unit (fp32) all-reduced over TP (the gradient
+                  norm's square and mu's overflow and element counts: in the step's scalar all-reduce,
+                  ``step_bytes``)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
 
@@ -311,8 +318,6 @@ def fp8_dp_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: b
                     out[group] += nbytes
             sp = sum(p.numel() for p in unit.params if p.spec.sequence_parallel)
             out["tp"] += _ring(t) * 4 * sp
-    out["mp" if z.stage == 0 else "world"] += _ring(layout.world_size if z.stage else layout.pp * t) * 4
-    out["world"] += _ring(layout.world_size) * 16
     return dict(out)
 
 

@@ -405,9 +405,9 @@ from training import engine
 computing = [0]  # the step being computed
 real_train_step, real_all_to_all = engine.Engine.train_step, comm.all_to_all
 
-def train_step(self, batch):
+def train_step(self, batch, **kw):
     computing[0] = self.step + 1
-    return real_train_step(self, batch)
+    return real_train_step(self, batch, **kw)
 
 def all_to_all(out, inp, group, async_op=False):
     if rank == {stuck} and group.name == "dp_inter" and computing[0] == {step}:  # qgZ's inter-node hop

@@ -13,7 +13,7 @@ from parallel.random import RNGTracker
 from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, tiny_config, train_worker
 from config import LossScaleConfig, TrainConfig
-from parallel.optim_rules import build_optimizer, unscale_and_clip
+from parallel.optim_rules import build_optimizer, local_grad_sq, unscale_and_clip
 from training.metrics import peak_tflops
 from training.optim import LossScaler, LRSchedule
 
@@ -71,13 +71,13 @@ def test_unscale_and_clip_matches_torch_clip_grad_norm():
         q.grad = p.grad.clone() / scale
         reference.append(q)
     ref_norm = torch.nn.utils.clip_grad_norm_(reference, max_norm=1.0)
-    solo = Group("mp", None, [0], 0, "intra", Ledger())
-    norm, finite = unscale_and_clip(params, [buf], solo, 0, scale, 1.0)
+    sq = local_grad_sq(params, 0, buf.device).item()
+    norm, finite = unscale_and_clip([buf], sq, scale, 1.0)
     assert finite and norm == pytest.approx(ref_norm.item(), rel=1e-5)
     for p, q in zip(params, reference):
         torch.testing.assert_close(p.grad, q.grad, rtol=1e-5, atol=1e-8)
     buf[3] = float("inf")
-    assert unscale_and_clip(params, [buf], solo, 0, 1.0, 1.0)[1] is False
+    assert unscale_and_clip([buf], local_grad_sq(params, 0, buf.device).item(), 1.0, 1.0)[1] is False
 
 
 @pytest.mark.parametrize("overrides", [[], ["model.tie_embeddings=true"],

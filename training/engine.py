@@ -9,12 +9,12 @@ step, or a skipped step when gradients are not finite.
 Everything data-parallel is asked of one strategy object, ``self.dp``: plain DP
 (``parallel/data_parallel.py``, ZeRO stage 0), ZeRO 1-3
 (``parallel/zero/sharded.py``), or FP8-LM's (``fp8/zero.py``, stages 0-3). Both answer zero_grad, before_last_backward,
-finish_grads, clip and step; the engine knows nothing of shards.
+finish_grads, norm_terms, clip and step; the engine knows nothing of shards.
 """
 from __future__ import annotations
 
 import contextlib
-from typing import Callable, Dict, List, Optional, Tuple
+from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
@@ -76,28 +76,50 @@ class Engine:
         return torch.autocast(self.mesh.device.type, dtype=self.compute_dtype)
 
     # -- the step -------------------------------------------------------------------------------
-    def forward_backward(self, batch: BatchFn) -> float:
-        """Gradients of the global batch (DP mean, scaled by the loss scale); returns the global loss."""
+    def forward_backward(self, batch: BatchFn) -> List[torch.Tensor]:
+        """Gradients of the global batch (DP mean, scaled by the loss scale); returns this rank's micro-batch
+        losses (the last stage's; empty elsewhere)."""
+        comm.mark("forward_backward")
         self.dp.zero_grad()
         num_mb = self.mesh.layout.num_microbatches
         losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
                                  dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
+        comm.mark("finish_grads")
         self.dp.finish_grads()
         if self.fp8_scaling is not None:
             self.fp8_scaling.update()  # delayed scaling: this step's amaxes into the histories, next scales
-        return self._global_loss(losses)
+        return losses
+
+    def _loss_term(self, losses: List[torch.Tensor]) -> torch.Tensor:
+        """This rank's addend to the global loss (float64, shape (1,)): the mean over its micro-batches on the
+        last stage's TP rank 0, zero elsewhere; summed over the world and divided by DP it is the global mean."""
+        if self.mesh.is_last_stage and self.mesh.tp_rank == 0:
+            return torch.stack(losses).float().mean().double().reshape(1)
+        return torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
 
     def _global_loss(self, losses: List[torch.Tensor]) -> float:
         """Mean over micro-batches and DP ranks, known on every rank (the last stage holds it)."""
-        mine = self.mesh.is_last_stage and self.mesh.tp_rank == 0
-        t = torch.stack(losses).float().mean().reshape(1) if mine else torch.zeros(1, device=self.mesh.device)
+        t = self._loss_term(losses)
         comm.all_reduce(t, self.mesh.world)
         return t.item() / self.mesh.layout.dp
 
-    def train_step(self, batch: BatchFn) -> Dict[str, float]:
-        loss = self.forward_backward(batch)
+    def train_step(self, batch: BatchFn, extra: Optional[Callable[[], torch.Tensor]] = None) -> Dict[str, Any]:
+        """One optimizer step. The step's scalars cross the world in one all-reduce (a synchronisation every rank
+        waits on, on the slowest link: one instead of one per scalar): the loss, the strategy's norm terms
+        (``dp.norm_terms``) and ``extra()``'s values, if given (the trainer's stop flags, evaluated then), whose
+        sums come back as ``stats["extra"]``."""
+        losses = self.forward_backward(batch)
+        terms = self.dp.norm_terms()
+        mine = [self._loss_term(losses), terms]
+        if extra is not None:
+            mine.append(extra().to(device=self.mesh.device, dtype=torch.float64).reshape(-1))
+        comm.mark("scalars")
+        totals = torch.cat(mine)
+        comm.all_reduce(totals, self.mesh.world)
+        loss = totals[0].item() / self.mesh.layout.dp
         lr = self.lr_schedule(self.step)
-        norm, finite = self.dp.clip(self.scaler.scale, self.cfg.train.grad_clip)
+        norm, finite = self.dp.clip(self.scaler.scale, self.cfg.train.grad_clip, totals[1:1 + terms.numel()])
+        comm.mark("step")
         if finite:
             self.dp.step(lr)
             self._consecutive_skips = 0
@@ -107,10 +129,15 @@ class Engine:
             if self._consecutive_skips > MAX_CONSECUTIVE_SKIPS:
                 raise FloatingPointError(f"{self._consecutive_skips} consecutive steps had non-finite gradients "
                                          f"(last loss {loss}); the run has diverged")
+        comm.mark("loop")
         scale = self.scaler.scale
         self.scaler.update(found_inf=not finite)
         self.step += 1
-        return {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite, "loss_scale": scale}
+        stats: Dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite,
+                                 "loss_scale": scale}
+        if extra is not None:
+            stats["extra"] = totals[1 + terms.numel():]
+        return stats
 
     @torch.no_grad()
     def eval_loss(self, batch: BatchFn) -> float:

@@ -281,7 +281,8 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
             engine.dp.sampling = True
         t0 = time.perf_counter()
         try:
-            stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh))
+            stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh),
+                                      extra=lambda: _stop_flags(stop, began, t.time_limit_minutes))
         except FloatingPointError as e:
             raise DivergedError(f"training diverged at step {engine.step + 1}: {e}; "
                                 + _last_good(good, start, progressed)) from None
@@ -318,12 +319,15 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
             window_time, window_steps = 0.0, 0
         if sample:
             logger.log({"step": step, "quant_error": engine.dp.quant_error()})
+        flags = stats["extra"]  # the stop flags as every rank had them during the step (its one all-reduce)
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})
+            flags = None  # that took a while: ask again
         if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and progressed:
             good = _save(ckpt, step, consumed, good, streak)
             last_saved = step
-        reason = _should_stop(stop, began, t.time_limit_minutes, mesh)
+            flags = None
+        reason = _should_stop(stop, began, t.time_limit_minutes, mesh, flags)
     if engine.step >= first_step and not progressed:  # steps ran, all skipped: nothing to save, nothing learnt
         what = (f"every step since {'resuming from ' + str(start) if start else 'the start'} (steps {first_step}-"
                 f"{engine.step}) had non-finite gradients (last loss {stats['loss']:g})")
@@ -363,16 +367,22 @@ def data_fingerprint(cfg: Config) -> Dict[str, Any]:
             "files": [{"path": p, "content": fingerprint(p)} for p in cfg.data.paths]}
 
 
-def _should_stop(stop: StopFlag, began: float, limit_minutes: Optional[float], mesh: Mesh) -> Optional[str]:
-    """Every rank stops at the same step: a signal or the time limit on any rank stops all."""
-    code = 0.0
-    if stop.signal:
-        code = 2.0
-    elif limit_minutes is not None and time.monotonic() - began >= limit_minutes * 60:
-        code = 1.0
-    flag = torch.tensor([code], device=mesh.device)
-    comm.all_reduce(flag, mesh.world, op="max")
-    return {0: None, 1: "time_limit", 2: "signal"}[int(flag.item())]
+def _stop_flags(stop: StopFlag, began: float, limit_minutes: Optional[float]) -> torch.Tensor:
+    """This rank's reasons to stop now: [a signal arrived, the time limit is reached] as 0/1 (``parallel.volume``
+    counts them as ``STOP_FLAGS`` values of the step's scalar all-reduce)."""
+    late = limit_minutes is not None and time.monotonic() - began >= limit_minutes * 60
+    return torch.tensor([float(bool(stop.signal)), float(late)], dtype=torch.float64)
+
+
+def _should_stop(stop: StopFlag, began: float, limit_minutes: Optional[float], mesh: Mesh,
+                 flags: Optional[torch.Tensor] = None) -> Optional[str]:
+    """Every rank stops at the same step: a signal or the time limit on any rank stops all. ``flags``: the
+    world's sum of ``_stop_flags`` already taken (in the step's all-reduce); else one all-reduce now."""
+    if flags is None:
+        flags = _stop_flags(stop, began, limit_minutes).to(mesh.device)
+        comm.all_reduce(flags, mesh.world)
+    signal, late = flags.tolist()
+    return "signal" if signal > 0 else "time_limit" if late > 0 else None
 
 
 def evaluate(engine: Engine, valid_ds: Sampleable, cfg: Config, mesh: Mesh) -> float:

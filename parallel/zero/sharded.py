@@ -27,9 +27,10 @@ the N DP ranks owns shard r of it. What each stage keeps between steps:
    backward goes on.
 2. ``finish_grads``: wait; sum the pieces of sequence-parallel norm/bias gradients
    over TP; sum the tied embedding's shard over first + last stage.
-3. ``clip``: the global norm from shard pieces, each global parameter once
-   (TP-replicated pieces on TP rank 0 only, tied copies never), summed over the
-   whole world (= DP shards x TP x PP).
+3. ``norm_terms`` / ``clip``: the global norm from shard pieces, each global
+   parameter once (TP-replicated pieces on TP rank 0 only, tied copies never),
+   summed over the whole world (= DP shards x TP x PP) in the engine's one
+   all-reduce of the step's scalars.
 4. ``step``: AdamW on the fp32 master shard, then stages 1-2 all-gather the
    updated parameters (compute dtype; with qwZ quantized, with qWD the quantized
    differences to the parameters every rank holds, ``zeropp.py``); stage 3
@@ -42,8 +43,8 @@ forward); the forward hook releases them (storage resized to 0: the parameters
 keep their shapes and autograd's saved references) and hooks the module output,
 whose gradient's arrival gathers them again for backward (unless the module's
 backward does not read them: an embedding lookup's) and prefetches the previous
-modules'. qwZ's two-hop gathers (``zeropp.py``) get their second hop
-launched by the same polling as the reduces. A unit is released
+modules'. qwZ's two-hop gathers (``zeropp.py``) have their hops launched by a
+thread of their own, in the order they started. A unit is released
 when its last gradient arrives. Activation recomputation runs inside backward,
 where the forward hook does not release: the recompute's gather *is* the
 backward gather (no extra traffic). Under pipelining every micro-batch gathers
@@ -229,7 +230,6 @@ class ZeroDataParallel:
         self.units = [u for units in self.chunk_units for u in units]
         self._syncing = [False] * len(self.chunk_units)
         self._launched: List[tuple] = []  # (unit, work, out, full buffer) of reduce-scatters in flight, oldest first
-        self._gathering: List[QuantizedGather] = []  # two-hop gathers whose second hop is not launched, oldest first
         self._chunk_of = {id(u): c for c, units in enumerate(self.chunk_units) for u in units}
 
     def _register_gather_hooks(self, chunks: Sequence[nn.Module]) -> None:
@@ -313,25 +313,11 @@ class ZeroDataParallel:
                 self.working.sub(buf.numel() * buf.element_size())
 
     def _poll(self) -> None:
-        """Move communication on without waiting: launch the second hop of two-hop gathers and the inter-node
-        hop of qgZ reduces whose first hop has arrived, oldest first (the order every rank launches them in)."""
-        if self._gathering:
-            self._advance_gathers()
+        """Move communication on without waiting: launch the inter-node hop of qgZ reduces whose first hop has
+        arrived, oldest first (the order every rank launches them in)."""
         for _, work, _, _ in self._launched:
             if hasattr(work, "advance") and not work.advance(block=False):
                 break
-
-    def _advance_gathers(self, upto: Optional[QuantizedGather] = None) -> None:
-        """Launch second hops oldest first: while the first hop has arrived, or, waiting, up to ``upto``."""
-        if upto is not None and not any(w is upto for w in self._gathering):
-            upto = None
-        while self._gathering:
-            work = self._gathering[0]
-            if not work.advance(block=upto is not None):
-                return
-            self._gathering.pop(0)
-            if work is upto:
-                return
 
     def finish_grads(self) -> None:
         if self.stage < 3:
@@ -350,13 +336,19 @@ class ZeroDataParallel:
                 comm.all_reduce(u.grad_shard, self.mesh.embedding)
 
     # -- optimizer --------------------------------------------------------------------------------
-    def clip(self, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
+    def norm_terms(self) -> torch.Tensor:
+        """This rank's addends to the step's world sum (float64, ``Engine.train_step``): the squared norm of its
+        shard pieces, each global parameter once (TP-replicated pieces on TP rank 0 only, tied copies never)."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
         for u in self.units:
             for a, b in u.norm_ranges:
                 sq += u.grad_shard[a:b].float().square().sum()
-        comm.all_reduce(sq, self.mesh.world)
-        norm = sq.sqrt().item() / loss_scale
+        return sq.double()
+
+    def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
+        """The clip factor ``step`` applies, given ``norm_terms`` summed over the world."""
+        sq = terms[0].item()
+        norm = math.sqrt(sq) / loss_scale if sq >= 0 else math.nan
         if not math.isfinite(norm):
             return norm, False
         self._factor = grad_factor(norm, loss_scale, max_norm)
@@ -382,9 +374,9 @@ class ZeroDataParallel:
             u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
             if any(u is a for a in ahead):  # stage 3: the next forward's first gathers leave now
                 with self.mesh.ledger.deferred() as held:  # counted in the step that uses them
-                    self._start_gather(u)  # (a two-hop gather's second hop waits for the next forward's polls)
+                    self._start_gather(u)
                 u.ledger_held = held
-        for work in gathers:  # all launched; waited for in launch order (two-hop ones advance in that order)
+        for work in gathers:  # all launched (two-hop ones by their thread, in this order); waited for in this order
             work.wait()
 
     def _next_forward_units(self) -> List[Unit]:
@@ -428,12 +420,8 @@ class ZeroDataParallel:
             delta = unit.master - unit.reference.float()
             unit.gather_work = DeltaGather(unit.full, unit.secondary, self.hpz, delta, self.mesh.dp, self.qwz,
                                            self.gather_route)
-            if self.gather_route is not None:
-                self._gathering.append(unit.gather_work)
         elif self.qwz is not None and self.mesh.dp.size > 1:
             unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz, self.gather_route)
-            if self.gather_route is not None:
-                self._gathering.append(unit.gather_work)
         else:
             unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
 
@@ -443,8 +431,6 @@ class ZeroDataParallel:
             unit.ledger_held = None
         self._start_gather(unit)
         if unit.gather_work is not None:
-            if self._gathering:
-                self._advance_gathers(upto=unit.gather_work)
             unit.gather_work.wait()
             if self.sampling and (isinstance(unit.gather_work, (QuantizedGather, DeltaGather))
                                   or self.qwz is not None and unit.secondary_unmeasured):
