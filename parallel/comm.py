@@ -31,7 +31,10 @@ little later see "connection closed" before their own timeout, and still learn w
 from __future__ import annotations
 
 import contextlib
+import json
+import os
 import re
+import threading
 import time
 from collections import defaultdict
 from dataclasses import dataclass, field
@@ -171,16 +174,54 @@ def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: 
     return CommError(f"{what} failed on rank {group.ranks[group.rank]}: {reason}{who}", absent)
 
 
+class _Trace:
+    """``GPT_COMM_TRACE=DIR``: every call through this door and every wait on its handles, with their times, is
+    appended to ``DIR/rank<R>.jsonl`` (what a step waits for, and when; ``scripts/comm_trace.py`` sums it).
+    Marks (``mark``) name the phases of a step around them; the events are written at each mark."""
+
+    def __init__(self, directory: Optional[str]):
+        self.directory, self.events = directory, []
+
+    def add(self, *event) -> None:
+        self.events.append(event)
+
+    def flush(self) -> None:
+        os.makedirs(self.directory, exist_ok=True)
+        with open(os.path.join(self.directory, f"rank{os.environ.get('RANK', '0')}.jsonl"), "a") as f:
+            f.writelines(json.dumps(e) + "\n" for e in self.events)
+        self.events = []
+
+
+_trace = _Trace(os.environ.get("GPT_COMM_TRACE"))
+
+
+def mark(label: str) -> None:
+    """A phase boundary in the trace (nothing without ``GPT_COMM_TRACE``)."""
+    if _trace.directory:
+        _trace.add("mark", label, time.perf_counter())
+        _trace.flush()
+
+
+def trace_wait(what: str, group: Group, t0: float) -> None:
+    """A wait of this thread since ``t0`` for something other than a handle of this door, into the trace."""
+    if _trace.directory:
+        _trace.add("wait", what, group.name, None, t0, time.perf_counter(),
+                   threading.current_thread() is threading.main_thread())
+
+
 def _guarded(kind: str, group: Group, call: Callable[[], Any], collective: bool = True, peer: Optional[int] = None):
     """Run one backend call; turn its failure into a CommError (async handles are wrapped likewise)."""
     seq = None
     if collective:
         seq = group.collectives
         group.collectives += 1
+    t0 = time.perf_counter()
     try:
         work = call()
     except RuntimeError as e:  # DistBackendError, gloo/NCCL errors are RuntimeErrors
         raise _error(kind, group, e, seq, peer) from e
+    if _trace.directory:
+        _trace.add("call", kind, group.name, seq, t0, time.perf_counter(), work is not None)
     return _Work(work, kind, group, seq, peer) if work is not None else None
 
 
@@ -191,10 +232,15 @@ class _Work:
         self.work, self.kind, self.group, self.seq, self.peer = work, kind, group, seq, peer
 
     def wait(self, timeout=None) -> bool:
+        t0 = time.perf_counter()
         try:
-            return self.work.wait() if timeout is None else self.work.wait(timeout)
+            done = self.work.wait() if timeout is None else self.work.wait(timeout)
         except RuntimeError as e:
             raise _error(self.kind, self.group, e, self.seq, self.peer) from e
+        if _trace.directory:
+            _trace.add("wait", self.kind, self.group.name, self.seq, t0, time.perf_counter(),
+                       threading.current_thread() is threading.main_thread())
+        return done
 
     def is_completed(self) -> bool:
         return self.work.is_completed()
@@ -236,12 +282,22 @@ def all_reduce(t: torch.Tensor, group: Group, op: str = "sum", async_op: bool = 
                             lambda: dist.all_reduce(t, op=_OPS[op], group=group.pg, async_op=async_op)), async_op)
 
 
-def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False):
-    """Concatenate every member's ``inp`` along dim 0 into ``out`` (size g * inp.shape[0])."""
+def count_all_gather(inp: torch.Tensor, group: Group) -> None:
+    """Count an all-gather of ``inp`` now, in this thread's ledger state (``Ledger.deferred``), that another
+    thread launches later with ``counted=False`` (ZeRO++'s two-hop gathers, ``zeropp.HopRunner``): a step's
+    record must not depend on when a background thread got to run."""
+    if group.size > 1:
+        group.ledger.record("all_gather", group, (group.size - 1) * _nbytes(inp))
+
+
+def all_gather(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: bool = False, counted: bool = True):
+    """Concatenate every member's ``inp`` along dim 0 into ``out`` (size g * inp.shape[0]). ``counted=False``:
+    the caller counted it already (``count_all_gather``)."""
     if group.size == 1:
         out.copy_(inp)
         return _Done() if async_op else None
-    group.ledger.record("all_gather", group, (group.size - 1) * _nbytes(inp))
+    if counted:
+        count_all_gather(inp, group)
     return _handle(_guarded("all_gather", group, lambda: dist.all_gather_single(
         _wire(out), _wire(inp), group=group.pg, async_op=async_op)), async_op)
 

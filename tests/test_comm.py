@@ -276,3 +276,52 @@ def test_every_gloo_stall_names_the_absent_rank(monkeypatch, reason) -> None:
     assert err.absent == [0]
     assert str(err) == (f"all_gather_object on group world (ranks [0, 1, 2, 3]) failed on rank 1: {reason}; "
                         "rank(s) [0] did not arrive (collective #7 of this group)")
+
+
+def trace_worker(directory: str) -> None:
+    import torch.distributed as dist
+
+    from parallel import comm
+
+    comm._trace = comm._Trace(directory)  # as GPT_COMM_TRACE=directory at import
+    rank = dist.get_rank()
+    group = comm.Group("world", dist.group.WORLD, [0, 1], rank, "inter", comm.Ledger())
+    for _ in range(3):
+        comm.mark("forward_backward")
+        out = torch.empty(8)
+        comm.all_gather(out, torch.full((4,), float(rank)), group, async_op=True).wait()
+        comm.mark("step")
+        comm.all_reduce(torch.ones(1), group)
+    comm.mark("forward_backward")
+
+
+def test_comm_trace_records_calls_waits_and_marks(tmp_path, capsys) -> None:
+    """GPT_COMM_TRACE: each rank's file holds every call (async or sync, with its group), every wait on a handle
+    (by the main thread) and the marks, in time order; scripts/comm_trace.py sums them per phase."""
+    import importlib.util
+    import pathlib
+
+    run_world(trace_worker, 2, str(tmp_path), timeout=120)
+    path = pathlib.Path(__file__).resolve().parents[1] / "scripts" / "comm_trace.py"
+    spec = importlib.util.spec_from_file_location("comm_trace", path)
+    tool = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(tool)
+    ranks = tool.load(str(tmp_path))
+    assert sorted(ranks) == ["rank0", "rank1"]
+    for events in ranks.values():
+        kinds = [(e[0], e[1]) for e in events]
+        assert kinds == [("mark", "forward_backward"), ("call", "all_gather"), ("wait", "all_gather"),
+                         ("mark", "step"), ("call", "all_reduce")] * 3 + [("mark", "forward_backward")]
+        calls = [e for e in events if e[0] == "call"]
+        assert [e[6] for e in calls] == [True, False] * 3  # async all-gathers, synchronous all-reduces
+        assert [e[3] for e in calls] == list(range(6))  # the group's collective count
+        assert all(e[2] == "world" and e[4] <= e[5] for e in calls)
+        waits = [e for e in events if e[0] == "wait"]
+        assert all(e[6] is True and e[4] <= e[5] for e in waits)  # the main thread waited
+        times = [e[2] if e[0] == "mark" else e[4] for e in events]
+        assert times == sorted(times)
+    assert tool.main([str(tmp_path), "--skip", "0", "--cores", "1"]) == 0
+    out = capsys.readouterr().out
+    assert "rank0: 3 steps" in out and "rank1: 3 steps" in out
+    assert "waiting in forward_backward: all_gather/world" in out and "waiting in step: all_reduce/world (sync)" in out
+    assert "idle cores:" in out

@@ -413,10 +413,10 @@ def test_cross_node_bytes_in_the_metrics_file_follow_the_paper(tmp_path):
 def assert_analytic_rank0(comm, args):
     from config import load_config
     from parallel.layout import make_layout
-    from parallel.volume import step_bytes
+    from parallel.volume import STOP_FLAGS, step_bytes
 
     cfg = load_config(None, list(args))
-    analytic = step_bytes(cfg, make_layout(cfg, 4, 2), 0)
+    analytic = step_bytes(cfg, make_layout(cfg, 4, 2), 0, stop_flags=STOP_FLAGS)  # a train.py run's metrics
     assert set(comm["by_group"]) == {g for g, v in analytic.items() if v > 0}, (comm["by_group"], analytic)
     for group, n in analytic.items():
         assert abs(comm["by_group"].get(group, 0) - n) <= 16, (group, comm["by_group"], analytic)
@@ -501,3 +501,41 @@ def test_fp16_overflow_survives_quantization_and_skips_like_zero3():
     assert skipped == [not math.isfinite(n) for n in ref["grad_norms"]]
     assert skipped[0] and not skipped[-1], "the test must overflow first and recover later"
     assert max(rel_diffs(out["losses"], ref["losses"])) <= QUANT_RTOL
+
+
+def test_hop_runner_launches_in_order_and_fails_every_later_gather():
+    """zeropp.HopRunner: one thread runs the gathers' hops in the order they were submitted; a failure (a
+    CommError in a real run) reaches the waiting thread through ``advance``/``wait``, and every later gather
+    fails with it instead of launching hops past a broken link (its peers would wait for them forever)."""
+    import threading
+    from types import SimpleNamespace
+
+    from parallel.zero.zeropp import HopRunner, QuantizedGather
+
+    order, gate = [], threading.Event()
+
+    class Fake:
+        route = SimpleNamespace(inter=SimpleNamespace(name="qwz_inter"))
+
+        def __init__(self, name, fail=False):
+            self.name, self.fail, self.error, self.launched = name, fail, None, threading.Event()
+
+        def launch_hops(self):
+            gate.wait(10)
+            order.append(self.name)
+            if self.fail:
+                raise RuntimeError(f"{self.name}: connection closed by peer")
+
+        advance = QuantizedGather.advance
+
+    runner = HopRunner()
+    works = [Fake("a"), Fake("b"), Fake("c", fail=True), Fake("d")]
+    for w in works:
+        runner.submit(w)
+    assert not any(w.launched.is_set() for w in works)  # nothing runs before the first hop may go
+    gate.set()
+    assert works[0].advance(block=True) and works[1].advance(block=True)
+    for w in works[2:]:
+        with pytest.raises(RuntimeError, match="c: connection closed by peer"):
+            w.advance(block=True)
+    assert order == ["a", "b", "c"]  # d never launched

@@ -13,9 +13,10 @@ crosses into each other node once, (Y-1) shards a rank, where one all-gather ove
 all P ranks moves (P-1) a rank over groups that cross nodes (a ring enters and
 leaves every node with all P-1 shards). The bytes are the same quantized bytes,
 so the weights are bit for bit those of the one-hop gather. The hops run on
-groups of their own (``Mesh.gather_groups``) because the second one is launched
-whenever the first has arrived (``advance``), an order every rank follows
-only among gathers (first in, first launched).
+groups of their own (``Mesh.gather_groups``), launched by one thread per route
+(``HopRunner``) in the order the gathers started: the first hops one at a time
+(the slow link carries the gathers in the order they are needed), a second hop
+as soon as its first has arrived.
 
 **hpZ** (``zero.hpz_size`` = H > 1): after a unit's first forward since the last
 optimizer step (a training forward, or a no_grad one: validation), before the
@@ -104,7 +105,10 @@ N*S elements: ``qwz_gather_bytes``, ``hpz_gather_bytes``, ``QgzPlan.bytes_per_ra
 """
 from __future__ import annotations
 
-from dataclasses import dataclass
+import queue
+import threading
+import time
+from dataclasses import dataclass, field
 from typing import Dict, List, Optional, Tuple
 
 import torch
@@ -135,15 +139,55 @@ def _unpack(rows: torch.Tensor, payload_bytes: int) -> Tuple[torch.Tensor, torch
 
 
 # -- qwZ ------------------------------------------------------------------------------------------
+class HopRunner:
+    """The thread that launches the hops of a route's two-hop gathers, in the order the gathers started (the
+    same on every rank, the only order the route's groups see): a gather's first (inter-node) hop once the
+    previous gather's first hop has arrived, and its second hop the moment its own first hop has.
+
+    One first hop at a time, because the slow link then carries the gathers one after the other in the order
+    the forward needs them: gloo runs two collectives of a group at once, and two gathers sharing the link
+    both arrive late, the one needed first included. And a second hop launched by this thread waits for
+    nothing the main thread does (a poll between two modules' compute could be a layer's forward away).
+    A failure (a CommError: a timeout, a dead peer) fails that gather and every later one."""
+
+    def __init__(self):
+        self._queue: "queue.SimpleQueue[Optional[QuantizedGather]]" = queue.SimpleQueue()
+        self._thread: Optional[threading.Thread] = None
+        self._error: Optional[BaseException] = None
+
+    def submit(self, gather: "QuantizedGather") -> None:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="zeropp-hops", daemon=True)
+            self._thread.start()
+        self._queue.put(gather)
+
+    def _run(self) -> None:
+        while True:
+            g = self._queue.get()
+            if g is None:
+                return
+            try:
+                if self._error is not None:
+                    raise self._error
+                g.launch_hops()
+            except BaseException as e:  # noqa: BLE001 - handed to the thread that waits for this gather
+                self._error = self._error or e
+                g.error = e
+            finally:
+                g.launched.set()
+
+
 @dataclass(frozen=True)
 class GatherRoute:
     """The two hops of a hierarchical all-gather over the DP group (see the module docstring).
 
-    ``order[r]``: the row of the second hop's output that holds DP rank r's piece."""
+    ``order[r]``: the row of the second hop's output that holds DP rank r's piece. ``runner``: the thread
+    that launches the hops (``HopRunner``)."""
 
     inter: comm.Group
     intra: comm.Group
     order: Tuple[int, ...]
+    runner: HopRunner = field(default_factory=HopRunner, compare=False, repr=False)
 
     @staticmethod
     def of(dp: comm.Group, inter: comm.Group, intra: comm.Group, inter_members) -> Optional["GatherRoute"]:
@@ -159,7 +203,8 @@ class GatherRoute:
 
 class QuantizedGather:
     """All-gather of every rank's quantized shard into ``full`` (dequantized on ``wait``), in one hop over
-    ``group`` or, with a ``route``, two (the second launched by ``advance``).
+    ``group`` or, with a ``route``, two, launched by the route's ``HopRunner`` (counted in the ledger here, when
+    the gather starts).
 
     ``add``: the shards are differences (qWD), and ``wait`` adds them to what ``full`` holds (in fp32, one
     rounding to ``full``'s dtype) instead of overwriting it."""
@@ -170,29 +215,42 @@ class QuantizedGather:
         self.ops = quant_ops(shard.device)
         payload, scales = self.ops.quantize_blockwise(shard, q.bits, q.block)
         self.payload_bytes = payload.numel()
-        send = _pack(payload, scales)
-        self.recv = torch.empty(self.g * send.numel(), dtype=torch.uint8, device=shard.device)
+        self.send = _pack(payload, scales)
+        self.recv = torch.empty(self.g * self.send.numel(), dtype=torch.uint8, device=shard.device)
+        self.error: Optional[BaseException] = None
+        self.launched = threading.Event()
         if route is None:
-            self.first, self.work = None, comm.all_gather(self.recv, send, group, async_op=True)
+            self.work = comm.all_gather(self.recv, self.send, group, async_op=True)
+            self.launched.set()
         else:
-            self.mid = torch.empty(route.inter.size * send.numel(), dtype=torch.uint8, device=shard.device)
-            self.first, self.work = comm.all_gather(self.mid, send, route.inter, async_op=True), None
+            self.mid = torch.empty(route.inter.size * self.send.numel(), dtype=torch.uint8, device=shard.device)
+            comm.count_all_gather(self.send, route.inter)
+            comm.count_all_gather(self.mid, route.intra)
+            self.work = None
+            route.runner.submit(self)
+
+    def launch_hops(self) -> None:
+        """(The route's thread) the first hop, waited for; then the second, left in flight."""
+        first = comm.all_gather(self.mid, self.send, self.route.inter, async_op=True, counted=False)
+        first.wait()
+        self.work = comm.all_gather(self.recv, self.mid, self.route.intra, async_op=True, counted=False)
+        self.mid = None
 
     def advance(self, block: bool = False) -> bool:
-        """Launch the intra-node hop once the inter-node one has arrived (``block``: wait for it). True when
-        nothing is left to launch. Gathers must be advanced in the order they started, on every rank."""
-        if self.work is not None:
-            return True
-        if not block and not self.first.is_completed():
-            return False
-        self.first.wait()
-        self.work = comm.all_gather(self.recv, self.mid, self.route.intra, async_op=True)
-        self.first = self.mid = None
-        return True
+        """Whether both hops are launched (``block``: wait until they are)."""
+        if block and not self.launched.is_set():
+            t0 = time.perf_counter()
+            while not self.launched.wait(1.0):
+                pass
+            comm.trace_wait("hops launched", self.route.inter, t0)
+        if self.error is not None:
+            raise self.error
+        return self.launched.is_set()
 
     def wait(self) -> None:
         self.advance(block=True)
         self.work.wait()
+        self.send = None
         rows = self.recv.view(self.g, -1)
         if self.route is not None:  # row r <- DP rank r's piece (bytes: cheaper to move than the values)
             rows = rows[list(self.route.order)]

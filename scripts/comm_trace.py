@@ -1,0 +1,112 @@
+"""Where a step waits: a summary of the trace ``GPT_COMM_TRACE=DIR`` writes (``parallel/comm.py``).
+
+Every rank appends to ``DIR/rank<R>.jsonl``: each call through the communication door (its launch time, and
+for a synchronous one its duration), each wait on a handle (start, end, and whether the main thread waited:
+ZeRO++'s two-hop gathers are launched and waited on by a thread of their own, ``zeropp.HopRunner``) and the
+engine's phase marks (forward_backward, finish_grads, scalars, step, loop). For each rank this prints the
+median time per step of each phase and the main thread's waits by phase and collective; with ``--cores C``
+also the cores left idle per step, found by sweeping all ranks' waits together (when more than ``ranks - C``
+ranks wait at once, a core has nothing to run; each idle interval is charged to the collectives waited on).
+Use it with ``scripts/bench_cluster.py`` (whose workers inherit the environment):
+
+    GPT_COMM_TRACE=/tmp/trace python scripts/bench_cluster.py --rows zeropp --steps 12 --no-unshaped
+    python scripts/comm_trace.py /tmp/trace --cores 2
+"""
+from __future__ import annotations
+
+import argparse
+import collections
+import glob
+import json
+import os
+import statistics
+from typing import Dict, List, Tuple
+
+
+def load(directory: str) -> Dict[str, List[list]]:
+    files = sorted(glob.glob(os.path.join(directory, "rank*.jsonl")))
+    if not files:
+        raise SystemExit(f"error: no rank*.jsonl in {directory} (was GPT_COMM_TRACE set for the run?)")
+    return {os.path.basename(f)[:-len(".jsonl")]: [json.loads(line) for line in open(f)] for f in files}
+
+
+def step_starts(events: List[list]) -> List[float]:
+    return [e[2] for e in events if e[0] == "mark" and e[1] == "forward_backward"]
+
+
+def blocking(events: List[list]) -> List[Tuple[float, float, str]]:
+    """The main thread's blocked intervals: waits on handles and synchronous calls, (start, end, what)."""
+    out = []
+    for e in events:
+        if e[0] == "wait" and (len(e) < 7 or e[6]):
+            out.append((e[4], e[5], f"{e[1]}/{e[2]}"))
+        elif e[0] == "call" and not e[6]:
+            out.append((e[4], e[5], f"{e[1]}/{e[2]} (sync)"))
+    return out
+
+
+def per_rank(name: str, events: List[list], skip: int) -> None:
+    starts = step_starts(events)[skip:]
+    steps = list(zip(starts, starts[1:]))
+    if not steps:
+        print(f"{name}: fewer than {skip + 2} steps traced")
+        return
+    marks = [(e[1], e[2]) for e in events if e[0] == "mark"]
+    phases: Dict[str, List[float]] = collections.defaultdict(list)
+    waits: Dict[Tuple[str, str], float] = collections.defaultdict(float)
+    spans = blocking(events)
+    for a, b in steps:
+        inside = [(label, t) for label, t in marks if a <= t < b] + [("end", b)]
+        for (label, t), (_, t2) in zip(inside, inside[1:]):
+            phases[label].append(t2 - t)
+        for s, e, what in spans:
+            if a <= s < b:
+                phase = [label for label, t in inside if t <= s][-1]
+                waits[(phase, what)] += e - s
+    n = len(steps)
+    print(f"{name}: {n} steps, {statistics.median(b - a for a, b in steps) * 1e3:.0f} ms a step (median); phases: "
+          + ", ".join(f"{k} {statistics.median(v) * 1e3:.0f}" for k, v in phases.items()) + " ms")
+    for (phase, what), v in sorted(waits.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {v / n * 1e3:7.1f} ms a step waiting in {phase}: {what}")
+
+
+def idle_cores(ranks: Dict[str, List[list]], cores: int, skip: int) -> None:
+    first = ranks[sorted(ranks)[0]]
+    starts = step_starts(first)[skip:]
+    if len(starts) < 2:
+        return
+    a, b = starts[0], starts[-1]
+    spans = [(s, e, what) for ev in ranks.values() for s, e, what in blocking(ev) if e > a and s < b]
+    points = sorted({a, b} | {x for s, e, _ in spans for x in (s, e) if a < x < b})
+    idle, by = 0.0, collections.defaultdict(float)
+    for t0, t1 in zip(points, points[1:]):
+        mid = (t0 + t1) / 2
+        waiting = [what for s, e, what in spans if s <= mid < e]
+        free = cores - (len(ranks) - len(waiting))
+        if free > 0:
+            idle += (t1 - t0) * free
+            for what in waiting:
+                by[what] += (t1 - t0) * free / len(waiting)
+    n = len(starts) - 1
+    print(f"idle cores: {idle / n:.3f} core-s a step of {cores * (b - a) / n:.3f} ({idle / (cores * (b - a)):.0%}), "
+          "charged to:")
+    for what, v in sorted(by.items(), key=lambda kv: -kv[1])[:8]:
+        print(f"    {v / n * 1e3:7.1f} ms  {what}")
+
+
+def main(argv=None) -> int:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("directory")
+    p.add_argument("--skip", type=int, default=3, help="steps left out at the start (warm-up)")
+    p.add_argument("--cores", type=int, help="cores the ranks shared: also report the idle cores per step")
+    args = p.parse_args(argv)
+    ranks = load(args.directory)
+    for name, events in ranks.items():
+        per_rank(name, events, args.skip)
+    if args.cores:
+        idle_cores(ranks, args.cores, args.skip)
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
