@@ -75,7 +75,10 @@ class Row:
 
 
 def rows_for(ranks_per_node: int) -> Dict[str, Row]:
-    z3 = ["zero.stage=3"]
+    # stage 3 prefetches 4 modules ahead (the config's default is 2): on this model the link needs about a
+    # module's forward time per module's weights, so the next forward's first gathers must leave in the step
+    # (zero.prefetch_depth + 1 of them) and the rest stay queued; ``--model zero.prefetch_depth=K`` overrides it
+    z3 = ["zero.stage=3", "zero.prefetch_depth=4"]
     hpz = [f"zero.hpz_size={ranks_per_node}"]
     qwd4 = ["zero.quantized_weights=true", "zero.weight_bits=4", "zero.weight_delta=true"]
     hqgz4 = ["zero.quantized_gradients=true", "zero.gradient_bits=4", "zero.gradient_hadamard=true"]
