@@ -57,7 +57,7 @@ from fp8.grad_comm import AutoScale, _all_reduce_fp8, _cast_gradient, _reduce_sc
 from fp8.segments import Segments
 from parallel import comm
 from parallel.mesh import Mesh
-from parallel.optim_rules import grad_factor, owns_gradient, weight_decay_exempt
+from parallel.optim_rules import grad_factor, owns_gradient, unscaled_norm, weight_decay_exempt
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import shard_layout
 from parallel.zero.sharded import Working, ZeroDataParallel
@@ -350,7 +350,7 @@ class Fp8DataParallel(ZeroDataParallel):
         world; then mu follows the overflow count."""
         sq, overflowing, counted = terms.tolist()
         mu = self.autoscale.mu
-        norm = math.sqrt(sq) / (loss_scale * mu) if sq >= 0 else math.nan
+        norm = unscaled_norm(sq, loss_scale * mu)
         finite = math.isfinite(norm)
         overflow = overflowing if finite else counted
         self.autoscale.update(int(overflow), max(int(counted), 1))

@@ -14,8 +14,6 @@ import torch
 from torch import nn
 
 from config import TrainConfig
-from parallel import comm
-from parallel.comm import Group
 
 
 COMPUTE_DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16, "fp8": torch.bfloat16}
@@ -62,12 +60,18 @@ def local_grad_sq(params: List[nn.Parameter], tp_rank: int, device: torch.device
     return (local.float() ** 2).reshape(1)
 
 
+def unscaled_norm(sq: float, loss_scale: float) -> float:
+    """The global gradient norm from the world's sum of squares of the scaled gradients (NaN or inf when a
+    gradient is not finite)."""
+    return math.sqrt(sq) / loss_scale if sq >= 0 else math.nan
+
+
 def unscale_and_clip(buffers: List[torch.Tensor], sq: float, loss_scale: float, max_norm: float) -> Tuple[float, bool]:
     """Given the global squared norm of the scaled gradients, one in-place pass that unscales and clips.
 
     Returns (norm of the unscaled gradients, finite). Non-finite gradients are left untouched.
     """
-    norm = math.sqrt(sq) / loss_scale if sq >= 0 else math.nan  # sq is NaN or inf with non-finite gradients
+    norm = unscaled_norm(sq, loss_scale)
     if not math.isfinite(norm):
         return norm, False
     factor = grad_factor(norm, loss_scale, max_norm)

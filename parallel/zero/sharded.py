@@ -64,7 +64,8 @@ from config import Config
 from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.mesh import Mesh
-from parallel.optim_rules import COMPUTE_DTYPES, grad_factor, owns_gradient, weight_decay_exempt
+from parallel.optim_rules import (COMPUTE_DTYPES, grad_factor, owns_gradient, unscaled_norm,
+                                   weight_decay_exempt)
 from parallel.zero.adamw import adamw_step
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import ShardLayout, shard_layout
@@ -347,8 +348,7 @@ class ZeroDataParallel:
 
     def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
         """The clip factor ``step`` applies, given ``norm_terms`` summed over the world."""
-        sq = terms[0].item()
-        norm = math.sqrt(sq) / loss_scale if sq >= 0 else math.nan
+        norm = unscaled_norm(terms[0].item(), loss_scale)
         if not math.isfinite(norm):
             return norm, False
         self._factor = grad_factor(norm, loss_scale, max_norm)

@@ -151,7 +151,7 @@ class HopRunner:
     A failure (a CommError: a timeout, a dead peer) fails that gather and every later one."""
 
     def __init__(self):
-        self._queue: "queue.SimpleQueue[Optional[QuantizedGather]]" = queue.SimpleQueue()
+        self._queue: "queue.SimpleQueue[QuantizedGather]" = queue.SimpleQueue()
         self._thread: Optional[threading.Thread] = None
         self._error: Optional[BaseException] = None
 
@@ -164,8 +164,6 @@ class HopRunner:
     def _run(self) -> None:
         while True:
             g = self._queue.get()
-            if g is None:
-                return
             try:
                 if self._error is not None:
                     raise self._error
@@ -275,9 +273,6 @@ class DeltaGather:
                  dp: comm.Group, q: Quant, route: Optional[GatherRoute] = None):
         self.base = comm.all_gather(full, secondary, hpz, async_op=True)
         self.deltas = QuantizedGather(full, delta, dp, q, route, add=True)
-
-    def advance(self, block: bool = False) -> bool:
-        return self.deltas.advance(block)
 
     def wait(self) -> None:
         self.base.wait()
