@@ -1,5 +1,15 @@
+import os
+
 import pytest
 import torch
+
+
+def pytest_configure(config):
+    if os.environ.get("GPT_SUITE_CLOCK"):  # where the suite's time goes: see tests/suite_clock.py
+        from tests.suite_clock import Clock
+
+        config.pluginmanager.register(Clock(os.environ["GPT_SUITE_CLOCK"]), "suite_clock")
+
 
 
 @pytest.fixture(autouse=True)

@@ -22,13 +22,19 @@ import torch
 import torch.distributed as dist
 
 _CTX = None
+PRELOAD = ["torch", "torch.distributed", "numpy", "torch._dynamo", "training.trainer", "tests.parallel_utils"]
+"""Imported once by the forkserver, so each rank it forks starts with them: the project's modules and torch's
+(``torch._dynamo`` is what torch.optim imports on the first optimizer) took each rank ~1 s of CPU to import
+anew, the largest cost of a small world (measured with tests/suite_clock.py)."""
+STARTED = {"worlds": 0, "ranks": 0}
+"""Worlds and ranks this process has started (tests/suite_clock.py reports them per test)."""
 
 
 def _context():
     global _CTX
     if _CTX is None:
         _CTX = mp.get_context("forkserver")
-        _CTX.set_forkserver_preload(["torch", "torch.distributed", "numpy"])
+        _CTX.set_forkserver_preload(PRELOAD)
     return _CTX
 
 
@@ -55,6 +61,8 @@ def _worker(fn, rank, world_size, port, args, env, results, collective_timeout):
 def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
               env: Optional[Dict[str, str]] = None, collective_timeout: float = 60.0) -> List[Any]:
     ctx = _context()
+    STARTED["worlds"] += 1
+    STARTED["ranks"] += world_size
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
     procs = [ctx.Process(target=_worker, daemon=True,

@@ -203,8 +203,29 @@ def _assert_results(res: dict, where: str) -> None:
 
 # ---- single process ----------------------------------------------------------------------------------------
 
+@pytest.fixture(params=["auto", "native"])
+def cpu_fp8_gemm(request, monkeypatch):
+    """Both CPU routes of the FP8 GEMM (fp8/linear.py): ``auto``, the fp32 GEMM of the widened FP8 operands
+    (``torch._scaled_mm`` must not be called), and ``native``, ``torch._scaled_mm`` itself (it must be)."""
+    import fp8.linear as fl
+
+    calls = []
+    real = torch._scaled_mm
+
+    def spy(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    monkeypatch.setenv("GPT_CPU_FP8_GEMM", request.param)
+    monkeypatch.setattr(torch, "_scaled_mm", spy)
+    fl.cpu_fp32.cache_clear()
+    yield request.param
+    fl.cpu_fp32.cache_clear()
+    assert bool(calls) == (request.param == "native"), (request.param, len(calls))
+
+
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
-def test_single_process_fp8_linear_matches_the_dequantized_float64_reference(dtype) -> None:
+def test_single_process_fp8_linear_matches_the_dequantized_float64_reference(dtype, cpu_fp8_gemm) -> None:
     res = {"checks": {}, "scales": {}}
     for label, mode in (("column", dict(kind="column")), ("column_fused2", dict(kind="column", fused=2)),
                         ("row", dict(kind="row"))):
@@ -219,6 +240,51 @@ def test_single_process_fp8_linear_matches_the_dequantized_float64_reference(dty
         res["checks"].update(out["checks"])
         res["scales"].update(out["scales"])
     _assert_results(res, "tp1")
+
+
+@pytest.mark.parametrize("out_dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cpu_fp32_route_equals_scaled_mm_up_to_summation_order(out_dtype, monkeypatch) -> None:
+    """The CPU route (fp32 GEMM of the widened FP8 operands, then both dequantizing scales) against
+    ``torch._scaled_mm`` on the same bytes, at the layer's operand layouts (a transposed view as the first
+    operand, as dW's GEMM passes it), both formats, shapes that are not multiples of 16. Both sum exact
+    products in fp32, so they may differ by the summation order only: ``2 K 2**-24 P`` (P: the product of the
+    absolute dequantized operands), plus one rounding of the output dtype each."""
+    import fp8.linear as fl
+
+    monkeypatch.delenv("GPT_CPU_FP8_GEMM", raising=False)
+    fl.cpu_fp32.cache_clear()
+    assert fl.cpu_fp32()
+    g = torch.Generator().manual_seed(11)
+    for (m, k, n), fa, fb, transposed in (((7, 33, 5), E4M3, E4M3, False), ((48, 64, 40), E5M2, E4M3, False),
+                                          ((24, 200, 16), E5M2, E4M3, True), ((1, 5, 1), E4M3, E4M3, False)):
+        a = (torch.randn(k, m, generator=g) * 30).to(fa)
+        a = a.t() if transposed else a.reshape(m, k)
+        b = (torch.randn(k, n, generator=g) * 30).to(fb)
+        sa, sb = torch.tensor(3.7), torch.tensor(0.019)
+        ours = fl._mm(a, sa, b, sb, out_dtype, emulate=False)
+        native = torch._scaled_mm(a.contiguous(), fl._col_major(b), scale_a=sa.reciprocal(), scale_b=sb.reciprocal(),
+                                  out_dtype=out_dtype)
+        assert ours.dtype == native.dtype == out_dtype and ours.shape == native.shape == (m, n)
+        ref = (a.double() @ b.double()) / (3.7 * 0.019)
+        P = (a.double().abs() @ b.double().abs()) / (3.7 * 0.019)
+        u = UNIT[out_dtype]
+        tol = 2 * k * 2.0 ** -24 * P + 2 * u * ref.abs()
+        err = (ours.double() - native.double()).abs()
+        assert (err <= tol).all(), (m, k, n, float(err.max()))
+        # and both are the float64 product up to fp32 accumulation and the output rounding
+        assert ((ours.double() - ref).abs() <= (k + 2) * 2.0 ** -23 * P + u * ref.abs()).all(), (m, k, n)
+
+
+def test_cpu_fp8_gemm_switch_rejects_an_unknown_mode(monkeypatch) -> None:
+    import fp8.linear as fl
+
+    monkeypatch.setenv("GPT_CPU_FP8_GEMM", "fast")
+    fl.cpu_fp32.cache_clear()
+    try:
+        with pytest.raises(ValueError, match="GPT_CPU_FP8_GEMM must be one of auto, fp32, native, got 'fast'"):
+            fl.cpu_fp32()
+    finally:
+        fl.cpu_fp32.cache_clear()
 
 
 def test_fp8_linear_function_directly_and_its_scales() -> None:
