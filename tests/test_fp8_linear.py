@@ -275,6 +275,21 @@ def test_cpu_fp32_route_equals_scaled_mm_up_to_summation_order(out_dtype, monkey
         assert ((ours.double() - ref).abs() <= (k + 2) * 2.0 ** -23 * P + u * ref.abs()).all(), (m, k, n)
 
 
+@pytest.mark.parametrize("fmt", [E4M3, E5M2], ids=["e4m3", "e5m2"])
+def test_cpu_widening_is_exact_for_every_fp8_code(fmt) -> None:
+    """fp8/linear.py's fast widening against torch's own conversion, on all 256 bytes of the format (zeros,
+    subnormals, the largest values, NaN), stored transposed as the backward passes them."""
+    from fp8.linear import _widen
+
+    codes = torch.arange(256, dtype=torch.uint8).view(fmt).reshape(16, 16).t()
+    w, k = _widen(codes)
+    assert w.dtype == torch.float32 and k in (1.0, 256.0)
+    ref = codes.float()
+    assert torch.equal(torch.isnan(w), torch.isnan(ref)) and int(torch.isnan(ref).sum()) > 0
+    finite = ~torch.isnan(ref)
+    assert torch.equal(w[finite] * k, ref[finite])
+
+
 def test_cpu_fp8_gemm_switch_rejects_an_unknown_mode(monkeypatch) -> None:
     import fp8.linear as fl
 
