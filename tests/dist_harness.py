@@ -52,7 +52,8 @@ def _worker(fn, rank, world_size, port, args, env, results, collective_timeout):
         buf = io.BytesIO()
         torch.save(out, buf)
         results.put((rank, "ok", buf.getvalue()))
-        dist.destroy_process_group()
+        if dist.is_initialized():  # the trainer destroys it itself (train_main)
+            dist.destroy_process_group()
     except BaseException:
         results.put((rank, "error", traceback.format_exc()))
         raise SystemExit(1)
@@ -101,3 +102,36 @@ def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
         for p in procs:
             p.join(5)
     return [outputs[r] for r in range(world_size)]
+
+
+def train_main(args: List[str], cwd: Optional[str] = None) -> tuple:
+    """``train.py args`` on a rank of ``run_world``: what torchrun runs on each rank, minus a fresh interpreter
+    (each would import torch and the project anew, ~3 CPU-s). The launch environment is torchrun's variables
+    (RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_WORLD_SIZE, MASTER_ADDR/PORT) and the default group already exists,
+    so the trainer's launch code reads the same environment and skips only its own rendezvous. Runs in ``cwd``
+    if given; returns ``(exit code of train.main, stdout, stderr)`` of this rank."""
+    import sys
+    import tempfile
+
+    import train
+
+    if cwd is not None:
+        os.chdir(cwd)
+    with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
+        sys.stdout.flush()
+        sys.stderr.flush()
+        saved = os.dup(1), os.dup(2)
+        os.dup2(out.fileno(), 1)
+        os.dup2(err.fileno(), 2)
+        try:
+            code = train.main(list(args))
+        finally:
+            sys.stdout.flush()
+            sys.stderr.flush()
+            os.dup2(saved[0], 1)
+            os.dup2(saved[1], 2)
+            os.close(saved[0])
+            os.close(saved[1])
+        out.seek(0)
+        err.seek(0)
+        return code, out.read(), err.read()

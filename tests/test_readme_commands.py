@@ -3,9 +3,10 @@
 The lines are read from README.md itself (backslash continuations joined, ``# comments`` dropped), so a new or
 edited example is covered without touching this file. Each one is handled in one of two ways:
 
-* **run**, on this machine: every single-machine line of the tiny default model. ``torchrun --nproc-per-node N``
-  becomes ``python -m torch.distributed.run --standalone --nproc-per-node N`` (a free rendezvous port chosen by
-  the OS). Appended to the README's own overrides, and only ever shortening the run: ``train.max_steps`` (1, or
+* **run**, on this machine: every single-machine line of the tiny default model. The first ``torchrun
+  --nproc-per-node N`` line runs as ``python -m torch.distributed.run --standalone --nproc-per-node N`` (a free
+  rendezvous port chosen by the OS); the others run ``train.main`` on N ranks forked with torchrun's environment
+  by tests/dist_harness.py (the launch is the same for every line; N fresh interpreters cost ~3 CPU-s each). Appended to the README's own overrides, and only ever shortening the run: ``train.max_steps`` (1, or
   the line's ``zero.quant_error_interval``, so that the sampling it asks for happens once), ``train.eval_iters=1``,
   ``logging.run_dir`` (a fresh directory; checkpoints go under it) and ``logging.wandb.mode=disabled``. A later
   dotlist value wins, so the test checks that the README line sets none of these but the step count and the
@@ -198,6 +199,24 @@ def _run(argv: List[str], cwd: Path) -> subprocess.CompletedProcess:
     return subprocess.CompletedProcess(argv, proc.returncode, out, err)
 
 
+FIRST_TORCHRUN = next(c for c in COMMANDS if c.launcher == "torchrun" and not c.validate_only)
+
+
+def _run_forked(argv: List[str], nproc: int, cwd: Path) -> subprocess.CompletedProcess:
+    """A ``torchrun --nproc-per-node N train.py ...`` line on N ranks forked by tests/dist_harness.py with
+    torchrun's environment, instead of N fresh interpreters (~3 CPU-s each to import torch and the project).
+    The README's first torchrun line runs under torchrun itself (``_run``), so the launch as written is covered
+    once; every other line differs from it only in what train.py does with its arguments. Rank 0's output is
+    the result's; a traceback on any rank is put into its stderr."""
+    from tests.dist_harness import run_world, train_main
+
+    args = argv[argv.index("train.py") + 1:]
+    ranks = run_world(train_main, nproc, args, str(cwd), timeout=TIMEOUT_S, env={"OMP_NUM_THREADS": "1"})
+    code = next((c for c, _, _ in ranks if c != 0), 0)
+    err = ranks[0][2] + "".join(e for _, _, e in ranks[1:] if "Traceback" in e)
+    return subprocess.CompletedProcess(["(forked ranks)", *argv], code, ranks[0][1], err)
+
+
 def _tail(p: subprocess.CompletedProcess) -> str:
     return f"exit {p.returncode}: {' '.join(p.args)}\n--- stdout\n{p.stdout[-2000:]}\n--- stderr\n{p.stderr[-4000:]}"
 
@@ -229,7 +248,10 @@ def test_readme_command_works_as_written(cmd: Command, scratch, request, monkeyp
         argv += ["--nproc-per-node", str(cmd.nproc)]
     argv += ["train.py", *cmd.args, f"train.max_steps={steps}", "train.eval_iters=1", f"logging.run_dir={run_dir}",
              "logging.wandb.mode=disabled"]
-    p = _run(argv, scratch)
+    if cmd.launcher == "torchrun" and cmd != FIRST_TORCHRUN:
+        p = _run_forked(argv, cmd.nproc, scratch)
+    else:
+        p = _run(argv, scratch)
     assert p.returncode == 0, _tail(p)
     assert f"stopped at step {steps} (max_steps)" in p.stdout, _tail(p)
     assert f"[train] world={cmd.nproc} " in p.stdout, _tail(p)

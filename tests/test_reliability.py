@@ -418,6 +418,7 @@ def all_to_all(out, inp, group, async_op=False):
     return real_all_to_all(out, inp, group, async_op)
 
 engine.Engine.train_step, comm.all_to_all = train_step, all_to_all
+comm.ABSENT_GRACE_S = 3.0  # the roll call after a timeout: 10 s in a real job, shorter here
 train._exit(train.main(sys.argv[1:]))
 """
 
@@ -445,7 +446,8 @@ def test_a_rank_frozen_in_a_zeropp_hop_ends_the_job_naming_a_rank(tmp_path):
     """ZeRO++ (qwZ + qgZ + hpZ 2) on 2 simulated nodes x 2 under torchrun, parallel.timeout_s=15: rank 3 stops
     itself with SIGSTOP as it enters qgZ's inter-node all-to-all (dp_inter) in step 3. Its peers time out on
     the ZeRO++ groups, rank 0 prints one error naming a rank that did not arrive, torchrun ends the job (the
-    frozen rank SIGKILLed after its 30 s shutdown grace) well within the issue's 2 minutes, and the checkpoint
+    frozen rank SIGKILLed after torchrun's shutdown grace: 30 s by default, 3 s here) well within the issue's 2
+    minutes, and the checkpoint
     of step 2 verifies. Before the fix the sub-groups had torch's 30-minute default: nothing ended."""
     import re
     import time
@@ -460,7 +462,10 @@ def test_a_rank_frozen_in_a_zeropp_hop_ends_the_job_naming_a_rank(tmp_path):
                    "zero.quantized_weights=true", "zero.quantized_gradients=true", "zero.hpz_size=2",
                    "zero.qgz_min_numel=0", "parallel.timeout_s=15", "train.max_steps=100000", "checkpoint.interval=2",
                    f"logging.run_dir={run_dir}"]
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4", str(script), *args]
+    # torchrun's grace between SIGTERM and SIGKILL is 30 s by default (the frozen rank cannot take SIGTERM);
+    # 3 s here: the test waits for the job's own timeouts, not torchrun's grace (2 minutes hold with 30 s)
+    cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
+           "--shutdown-timeout", "3", str(script), *args]
     with open(tmp_path / "out.txt", "w") as out, open(tmp_path / "err.txt", "w") as err:
         job = subprocess.Popen(cmd, cwd=ROOT, stdout=out, stderr=err, start_new_session=True,
                                env={**os.environ, "OMP_NUM_THREADS": "1"})

@@ -372,20 +372,20 @@ def test_qgz_returns_the_mean_over_all_dp_ranks(name):
 
 # -- bytes ---------------------------------------------------------------------------------------------
 def test_cross_node_bytes_in_the_metrics_file_follow_the_paper(tmp_path):
-    """bf16, 2 nodes x 2 under torchrun: the trainer's metrics.jsonl `comm.by_link.inter` per step, by feature."""
-    import sys
-
-    from tests.test_train_e2e import FAST, records, run_train
+    """bf16, 2 nodes x 2, train.py's main on 4 ranks: the trainer's metrics.jsonl `comm.by_link.inter` per step,
+    by feature (ranks forked by tests/dist_harness.py instead of torchrun's fresh interpreters: the launch itself
+    is tested by tests/test_train_e2e.py and tests/test_readme_commands.py)."""
+    from tests.dist_harness import train_main
+    from tests.test_train_e2e import FAST, records
 
     base = FAST + ["parallel.ranks_per_node=2", "precision=bf16", "zero.stage=3", "train.max_steps=2",
                    "train.global_batch_size=16",
                    "checkpoint.interval=0", "checkpoint.save_at_exit=false"]
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4")
     comm = {}
     for name, extra in {"zero3": [], "qwz": [QWZ], "hpz": [HPZ], "qgz": [QGZ], "zeropp": ALL}.items():
         run_dir = tmp_path / name
-        p = run_train(*base, *extra, f"logging.run_dir={run_dir}", launcher=torchrun)
-        assert p.returncode == 0, p.stderr[-3000:]
+        ranks = run_world(train_main, 4, [*base, *extra, f"logging.run_dir={run_dir}"], env={"OMP_NUM_THREADS": "1"})
+        assert [code for code, _, _ in ranks] == [0, 0, 0, 0], ranks[0][2][-3000:]
         comm[name] = [r for r in records(run_dir) if "comm" in r][-1]["comm"]
         assert_analytic_rank0(comm[name], base + extra)
 
