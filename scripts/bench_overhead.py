@@ -1,6 +1,6 @@
 """Framework overhead: the trainer's step time against a minimal plain-PyTorch loop.
 
-    python scripts/bench_overhead.py [--precision fp32|bf16|fp16] [--steps 40] [--rounds 2] [--config FILE]
+    python scripts/bench_overhead.py [--precision fp32|bf16|fp16|fp8] [--steps 40] [--rounds 2] [--config FILE]
 
 Both train the same model (same init), on the same samples of the same corpus, at
 the same precision and global batch (gradient accumulation over the same
@@ -11,6 +11,11 @@ the plain loop is forward / backward / AdamW.step, timed over the same steps.
 Rounds alternate to spread machine noise; the best round of each is reported.
 On a GPU it also prints tokens/s and MFU (e.g. --config configs/gpt_350m.yaml
 --precision bf16).
+
+``--precision fp8``: plain PyTorch has no FP8-LM, so the plain loop runs bf16 autocast and the trainer runs
+twice, in bf16 and in fp8 (FP8 GEMMs, FP8 gradients and FP8 AdamW), and the fp8/bf16 step ratio is printed:
+what switching a run to ``precision=fp8`` costs or gains on this device (on CPU the FP8 GEMMs are fp32 GEMMs
+of the widened FP8 operands, see fp8/linear.py).
 """
 from __future__ import annotations
 
@@ -89,33 +94,44 @@ def plain_step_time(args, overrides) -> float:
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--config", default=None, help="YAML config (default: a small 4-layer d=512 model)")
-    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16"])
+    ap.add_argument("--precision", default="fp32", choices=["fp32", "bf16", "fp16", "fp8"])
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
-    overrides = ([] if args.config else SMALL) + [f"precision={args.precision}", "parallel.ranks_per_node=1"]
-    if args.precision == "fp16":
-        overrides.append("loss_scale.initial=1024")
-    trainer, plain = [], []
+    base = ([] if args.config else SMALL) + ["parallel.ranks_per_node=1"]
+    fp8 = args.precision == "fp8"
+    plain_precision = "bf16" if fp8 else args.precision
+    overrides = base + [f"precision={plain_precision}"] + (["loss_scale.initial=1024"] if args.precision == "fp16"
+                                                           else [])
+    trainer, plain, trainer_fp8 = [], [], []
     for _ in range(args.rounds):
         trainer.append(trainer_step_time(args, overrides))
         plain.append(plain_step_time(args, overrides))
-    best_t = min(trainer, key=lambda r: r["step_s"])
+        if fp8:
+            trainer_fp8.append(trainer_step_time(args, base + ["precision=fp8"]))
+    best_t = min(r["step_s"] for r in trainer)
     best_p = min(plain)
     cfg = load_config(args.config, overrides)
     tokens = cfg.train.global_batch_size * cfg.model.seq_len
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    peak = peak_tflops(device, args.precision)
     print(f"device {torch.cuda.get_device_name() if device.type == 'cuda' else 'cpu'}, precision {args.precision}, "
           f"{tokens} tokens/step, steps {WARMUP + 1}..{args.steps}, best of {args.rounds} rounds")
-    print(f"{'loop':<10} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
-    for name, step_s in (("plain", best_p), ("trainer", best_t["step_s"])):
+    print(f"{'loop':<14} {'step ms':>9} {'tokens/s':>10} {'TFLOP/s':>8} {'MFU':>6}")
+    rows = [(f"plain {plain_precision}", best_p, plain_precision),
+            (f"trainer {plain_precision}", best_t, plain_precision)]
+    if fp8:
+        rows.append(("trainer fp8", min(r["step_s"] for r in trainer_fp8), "fp8"))
+    for name, step_s, precision in rows:
+        peak = peak_tflops(device, precision)
         tflops = tokens / step_s * flops_per_token(cfg.model) / 1e12
         mfu = f"{100 * tflops / peak:5.1f}%" if peak else "  n/a"
-        print(f"{name:<10} {1000 * step_s:9.1f} {tokens / step_s:10.0f} {tflops:8.3f} {mfu:>6}")
-    print(f"framework overhead: {100 * (best_t['step_s'] / best_p - 1):+.1f}% "
+        print(f"{name:<14} {1000 * step_s:9.1f} {tokens / step_s:10.0f} {tflops:8.3f} {mfu:>6}")
+    print(f"framework overhead: {100 * (best_t / best_p - 1):+.1f}% "
           f"(rounds: trainer {[round(1000 * r['step_s'], 1) for r in trainer]} ms, "
           f"plain {[round(1000 * p, 1) for p in plain]} ms)")
+    if fp8:
+        print(f"fp8 / bf16 trainer step: {rows[2][1] / best_t:.2f}x "
+              f"(fp8 rounds {[round(1000 * r['step_s'], 1) for r in trainer_fp8]} ms)")
 
 
 if __name__ == "__main__":

@@ -36,7 +36,6 @@ class Clock:
         os.makedirs(directory, exist_ok=True)
         worker = os.environ.get("PYTEST_XDIST_WORKER", "main")
         self.path = os.path.join(directory, f"{worker}.jsonl")
-        os.environ.pop("GPT_SUITE_CLOCK", None)  # a pytest that a test starts in a subprocess is part of that test
         original = subprocess.Popen.__init__
 
         def counting_init(popen, *args, **kwargs):

@@ -35,7 +35,8 @@ def test_triton_kernels_under_interpreter():
     """Run this module's checks in a child pytest under TRITON_INTERPRET=1 (see the docstring)."""
     if importlib.util.find_spec("triton") is None:
         pytest.skip("triton is not installed (pip install -r requirements-dev.txt)")
-    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_")}   # xdist worker vars, addopts
+    # xdist worker vars, addopts; the suite's clock (the child's time is this test's)
+    env = {k: v for k, v in os.environ.items() if not k.startswith("PYTEST_") and k != "GPT_SUITE_CLOCK"}
     env.update({"TRITON_INTERPRET": "1", _CHILD_FLAG: "1"})
     # numpy warns inside the interpreter about lanes that the kernels then discard (NaN casts).
     cmd = [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider",
