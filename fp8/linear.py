@@ -20,9 +20,10 @@ reduce-scatter of dx along the sequence, in the compute dtype.
 On CPU the FP8 product is, by default, the fp32 GEMM of the FP8 operands widened to fp32, times both
 dequantizing scales (``cpu_fp32``): a product of two FP8 values is exact in fp32 and ``_scaled_mm``
 accumulates in fp32 too, so the two differ only in summation order. torch's CPU ``_scaled_mm`` is
-never faster and on some CPUs pathological: measured with torch 2.13 at 256x128x384, 11.8x the fp32
-route's time on an AVX-512 AMD EPYC (bf16 out) and 176x (1,783x at 1024x128x512, about 0.02 GFLOP/s)
-on an AVX-512/AMX Intel Xeon, where a 2-layer FP8 training step took 158 s. ``GPT_CPU_FP8_GEMM=native``
+never faster and on some CPUs pathological: measured with torch 2.13 (one thread), 1.0-2.2x the fp32
+route's time from 256x128x384 to 2048x512x1536 on an AVX-512 AMD EPYC, and 176x the fp32 GEMM's at
+256x128x384 (1,783x at 1024x128x512, about 0.02 GFLOP/s) on an AVX-512/AMX Intel Xeon, where a 2-layer
+FP8 training step took 158 s. ``GPT_CPU_FP8_GEMM=native``
 calls ``_scaled_mm`` on CPU as well (``fp32`` or ``auto``, the default: the fp32 route). CUDA always
 runs ``_scaled_mm``.
 

@@ -26,8 +26,8 @@ PRELOAD = ["torch", "torch.distributed", "numpy", "torch._dynamo", "training.tra
 """Imported once by the forkserver, so each rank it forks starts with them: the project's modules and torch's
 (``torch._dynamo`` is what torch.optim imports on the first optimizer) took each rank ~1 s of CPU to import
 anew, the largest cost of a small world (measured with tests/suite_clock.py)."""
-STARTED = {"worlds": 0, "ranks": 0}
-"""Worlds and ranks this process has started (tests/suite_clock.py reports them per test)."""
+STARTED = {"ranks": 0}
+"""Ranks this process has started (tests/suite_clock.py reports them per test)."""
 
 
 def _context():
@@ -62,7 +62,6 @@ def _worker(fn, rank, world_size, port, args, env, results, collective_timeout):
 def run_world(fn: Callable, world_size: int, *args: Any, timeout: float = 180.0,
               env: Optional[Dict[str, str]] = None, collective_timeout: float = 60.0) -> List[Any]:
     ctx = _context()
-    STARTED["worlds"] += 1
     STARTED["ranks"] += world_size
     store = dist.TCPStore("127.0.0.1", 0, world_size + 1, is_master=True, wait_for_workers=False)
     results = ctx.Queue()
@@ -118,20 +117,19 @@ def train_main(args: List[str], cwd: Optional[str] = None) -> tuple:
     if cwd is not None:
         os.chdir(cwd)
     with tempfile.TemporaryFile("w+") as out, tempfile.TemporaryFile("w+") as err:
-        sys.stdout.flush()
-        sys.stderr.flush()
-        saved = os.dup(1), os.dup(2)
-        os.dup2(out.fileno(), 1)
-        os.dup2(err.fileno(), 2)
+        streams = ((sys.stdout, 1, out), (sys.stderr, 2, err))
+        saved = []
+        for stream, fd, file in streams:
+            stream.flush()
+            saved.append(os.dup(fd))
+            os.dup2(file.fileno(), fd)
         try:
             code = train.main(list(args))
         finally:
-            sys.stdout.flush()
-            sys.stderr.flush()
-            os.dup2(saved[0], 1)
-            os.dup2(saved[1], 2)
-            os.close(saved[0])
-            os.close(saved[1])
+            for (stream, fd, _), old in zip(streams, saved):
+                stream.flush()
+                os.dup2(old, fd)
+                os.close(old)
         out.seek(0)
         err.seek(0)
         return code, out.read(), err.read()

@@ -25,7 +25,7 @@ def machine_cpu_seconds() -> float:
     """CPU time (all cores, busy states) the machine has spent since boot, from /proc/stat."""
     with open("/proc/stat") as f:
         fields = [int(v) for v in f.readline().split()[1:]]
-    user, nice, system, idle, iowait, irq, softirq, steal = (fields + [0] * 8)[:8]
+    user, nice, system, _idle, _iowait, irq, softirq = fields[:7]
     return (user + nice + system + irq + softirq) / os.sysconf("SC_CLK_TCK")
 
 
@@ -48,19 +48,15 @@ class Clock:
     def pytest_runtest_protocol(self, item, nextitem):
         from tests import dist_harness
 
-        wall0, cpu0, own0, sub0 = (time.perf_counter(), machine_cpu_seconds(), os.times(),
-                                   _STARTED["subprocesses"])
-        worlds0 = dict(dist_harness.STARTED)
+        wall0, cpu0 = time.perf_counter(), machine_cpu_seconds()
+        sub0, ranks0 = _STARTED["subprocesses"], dist_harness.STARTED["ranks"]
         yield
-        own1 = os.times()
         record = {
             "test": item.nodeid,
             "wall": time.perf_counter() - wall0,
             "cpu": machine_cpu_seconds() - cpu0,
-            "own_cpu": (own1.user - own0.user) + (own1.system - own0.system),
             "subprocesses": _STARTED["subprocesses"] - sub0,
-            "worlds": dist_harness.STARTED["worlds"] - worlds0["worlds"],
-            "ranks": dist_harness.STARTED["ranks"] - worlds0["ranks"],
+            "ranks": dist_harness.STARTED["ranks"] - ranks0,
         }
         with open(self.path, "a") as f:
             f.write(json.dumps(record) + "\n")
@@ -75,21 +71,25 @@ def report(directory: str, top: int = 40) -> None:
     if not rows:
         raise SystemExit(f"no records in {directory}")
     cores = os.cpu_count() or 1
+
+    def line(wall: float, cpu: float, ranks: int, subprocesses: int) -> str:
+        idle = 1 - cpu / max(wall * cores, 1e-9)
+        return f"{wall:7.1f} {cpu:7.1f} {idle:5.0%} {ranks:5d} {subprocesses:4d}"
+
+    def total(group: list) -> str:
+        return line(*(sum(r[k] for r in group) for k in ("wall", "cpu", "ranks", "subprocesses")))
+
     rows.sort(key=lambda r: -r["wall"])
     print(f"{'wall s':>7} {'cpu s':>7} {'idle':>5} {'ranks':>5} {'subp':>4}  test   ({cores} cores)")
     for r in rows[:top]:
-        idle = 1 - r["cpu"] / max(r["wall"] * cores, 1e-9)
-        print(f"{r['wall']:7.1f} {r['cpu']:7.1f} {idle:5.0%} {r['ranks']:5d} {r['subprocesses']:4d}  {r['test']}")
-    by_file = defaultdict(lambda: [0.0, 0.0, 0, 0, 0])
+        print(f"{total([r])}  {r['test']}")
+    by_file = defaultdict(list)
     for r in rows:
-        f = by_file[r["test"].split("::")[0]]
-        f[0] += r["wall"]; f[1] += r["cpu"]; f[2] += r["ranks"]; f[3] += r["subprocesses"]; f[4] += 1
+        by_file[r["test"].split("::")[0]].append(r)
     print(f"\n{'wall s':>7} {'cpu s':>7} {'idle':>5} {'ranks':>5} {'subp':>4} {'tests':>5}  file")
-    for name, (w, c, k, s, n) in sorted(by_file.items(), key=lambda kv: -kv[1][0]):
-        print(f"{w:7.1f} {c:7.1f} {1 - c / max(w * cores, 1e-9):5.0%} {k:5d} {s:4d} {n:5d}  {name}")
-    w = sum(r["wall"] for r in rows); c = sum(r["cpu"] for r in rows)
-    print(f"\n{w:7.1f} {c:7.1f} {1 - c / max(w * cores, 1e-9):5.0%} "
-          f"{sum(r['ranks'] for r in rows):5d} {sum(r['subprocesses'] for r in rows):4d} {len(rows):5d}  all")
+    for name, group in sorted(by_file.items(), key=lambda kv: -sum(r["wall"] for r in kv[1])):
+        print(f"{total(group)} {len(group):5d}  {name}")
+    print(f"\n{total(rows)} {len(rows):5d}  all")
 
 
 if __name__ == "__main__":

@@ -6,8 +6,9 @@ edited example is covered without touching this file. Each one is handled in one
 * **run**, on this machine: every single-machine line of the tiny default model. The first ``torchrun
   --nproc-per-node N`` line runs as ``python -m torch.distributed.run --standalone --nproc-per-node N`` (a free
   rendezvous port chosen by the OS); the others run ``train.main`` on N ranks forked with torchrun's environment
-  by tests/dist_harness.py (the launch is the same for every line; N fresh interpreters cost ~3 CPU-s each). Appended to the README's own overrides, and only ever shortening the run: ``train.max_steps`` (1, or
-  the line's ``zero.quant_error_interval``, so that the sampling it asks for happens once), ``train.eval_iters=1``,
+  by tests/dist_harness.py (the launch is the same for every line; N fresh interpreters cost ~3 CPU-s each).
+  Appended to the README's own overrides, and only ever shortening the run: ``train.max_steps`` (1, or the
+  line's ``zero.quant_error_interval``, so that the sampling it asks for happens once), ``train.eval_iters=1``,
   ``logging.run_dir`` (a fresh directory; checkpoints go under it) and ``logging.wandb.mode=disabled``. A later
   dotlist value wins, so the test checks that the README line sets none of these but the step count and the
   directories, and that the run's saved ``config.yaml`` holds every value the README line gives; a run reaches

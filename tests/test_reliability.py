@@ -447,8 +447,8 @@ def test_a_rank_frozen_in_a_zeropp_hop_ends_the_job_naming_a_rank(tmp_path):
     itself with SIGSTOP as it enters qgZ's inter-node all-to-all (dp_inter) in step 3. Its peers time out on
     the ZeRO++ groups, rank 0 prints one error naming a rank that did not arrive, torchrun ends the job (the
     frozen rank SIGKILLed after torchrun's shutdown grace: 30 s by default, 3 s here) well within the issue's 2
-    minutes, and the checkpoint
-    of step 2 verifies. Before the fix the sub-groups had torch's 30-minute default: nothing ended."""
+    minutes, and the checkpoint of step 2 verifies. Before the fix the sub-groups had torch's 30-minute default:
+    nothing ended."""
     import re
     import time
 
