@@ -316,6 +316,9 @@ class TrainConfig:
     """Global batches per validation (1 to 2**16)."""
     time_limit_minutes: Optional[float] = None
     """Stop (saving a checkpoint) once this much wall-clock time has passed."""
+    compile: Optional[bool] = None
+    """torch.compile each transformer block and the loss (model/compile.py): null = on for CUDA, off for CPU (where
+    inductor's C++ build costs more than it saves on a short run); true | false force it."""
 
 
 @dataclass

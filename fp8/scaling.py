@@ -140,15 +140,16 @@ class ScaleState:
                 self.scale.copy_(self._scale_from(a[0]))
                 self.initialized.fill_(True)
             else:
-                if not self._ready and not bool(self.initialized):
-                    _max_reduce(a, tp)
-                    _max_reduce(a, self.dp)
-                    self.scale.copy_(self._scale_from(a[0]))
-                    self.initialized.fill_(True)
-                self._ready = True
+                if not self._ready:  # a Python flag: no device sync, and nothing for a compiled graph to do
+                    if not bool(self.initialized):
+                        _max_reduce(a, tp)
+                        _max_reduce(a, self.dp)
+                        self.scale.copy_(self._scale_from(a[0]))
+                        self.initialized.fill_(True)
+                    self._ready = True
                 # torch.maximum propagates NaN: a broken tensor is seen by the next update
                 if record:
-                    torch.maximum(self.pending, a[0], out=self.pending)
+                    self.pending.copy_(torch.maximum(self.pending, a[0]))
             scale = self.scale.clone()
             return quantize(x, scale, self.dtype), scale
 

@@ -390,10 +390,12 @@ class Fp8DataParallel(ZeroDataParallel):
 
     @torch.no_grad()
     def _refresh_weights(self) -> None:
-        """E4M3 weights from the masters (stages 1-3); stages 1-2 all-gather them with their scales."""
+        """Stage 0: the bf16 working weights from the masters (kept until the next step). Stages 1-3: E4M3 weights
+        from the masters; stages 1-2 all-gather them with their scales."""
         for u in self.units:
             u.secondary_valid = False
             if self.stage == 0:
+                self._materialize(u)
                 continue
             for i in u.owned:
                 value = u.master_value(i)
@@ -436,24 +438,31 @@ class Fp8DataParallel(ZeroDataParallel):
         return self._unpack(u, out)
 
     # -- working weights: materialise before use, release after ----------------------------------------
+    def _materialize(self, unit: Fp8Unit) -> None:
+        """Stage 0: the unit's bf16 working weights from its masters (every rank holds every master). Done once per
+        optimizer step (``_refresh_weights``) and kept until the next: every forward and backward of the step's
+        micro-batches reads the same values, so dequantizing them per module use (twice per micro-batch) would
+        only repeat the same work."""
+        if not unit.gathered:
+            unit.full.untyped_storage().resize_(unit.full_bytes)
+            self.working.add(unit.full_bytes)
+            unit.gathered = True
+        if not unit.packed:
+            for i, (a, b) in enumerate(unit.compact):
+                unit.full[a:b] = unit.master_value(i).to(torch.bfloat16)
+        elif unit.master.dtype == torch.float32:  # packed: owned = all, where = compact (back to back)
+            unit.full.copy_(unit.master)
+        else:
+            per_element = unit.packing()["owned"].spread(unit.master_scale)
+            unit.full.copy_(dequantize(unit.master, per_element))
+
     def _start_gather(self, unit: Fp8Unit) -> None:
         if unit.gathered or unit.gather_work is not None:
             return
         unit.full.untyped_storage().resize_(unit.full_bytes)
         self.working.add(unit.full_bytes)
         with torch.no_grad():
-            if self.stage == 0 and not unit.packed:  # this rank holds every master
-                for i, (a, b) in enumerate(unit.compact):
-                    unit.full[a:b] = unit.master_value(i).to(torch.bfloat16)
-                unit.gathered = True
-            elif self.stage == 0:  # packed: owned = all, where = compact (back to back)
-                if unit.master.dtype == torch.float32:
-                    unit.full.copy_(unit.master)
-                else:
-                    per_element = unit.packing()["owned"].spread(unit.master_scale)
-                    unit.full.copy_(dequantize(unit.master, per_element))
-                unit.gathered = True
-            elif self.stage in (1, 2):  # the persistent E4M3 copy
+            if self.stage in (1, 2):  # the persistent E4M3 copy
                 unit.set_weights(unit.w8, unit.w8_scale)
                 unit.gathered = True
             elif unit.secondary_valid:  # hpZ: inside the node
@@ -481,6 +490,8 @@ class Fp8DataParallel(ZeroDataParallel):
         unit.secondary[:piece.numel()] = piece
 
     def _release(self, unit: Fp8Unit) -> None:
+        if self.stage == 0:  # kept from one optimizer step to the next (_materialize)
+            return
         super()._release(unit)
         unit.gathered8 = None
 

@@ -19,7 +19,7 @@ from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
 from model.init import init_parameters
-from model.layers import Block, Norm, TPContext
+from model.layers import Block, Norm, TPContext, forked
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 
@@ -56,8 +56,7 @@ class GPTChunk(nn.Module):
             x = x.to(torch.get_autocast_dtype(x.device.type))  # the residual stream runs in the compute dtype
         if self.cfg.dropout > 0 and self.training:
             if self.ctx.sequence_parallel:
-                with self.ctx.rng.fork():
-                    x = F.dropout(x, self.cfg.dropout, True)
+                x = forked(self.ctx.rng, F.dropout, x, self.cfg.dropout, True)
             else:
                 x = F.dropout(x, self.cfg.dropout, True)
         return x

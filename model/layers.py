@@ -24,6 +24,15 @@ from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, Ro
 from config import Fp8Config, ModelConfig
 
 
+@torch.compiler.disable
+def forked(rng: RNGTracker, fn, *args, **kwargs):
+    """``fn(*args, **kwargs)`` drawing from the per-TP-rank dropout stream (``parallel/random.py``). Swapping
+    generator states is not traceable: under ``torch.compile`` this call runs eagerly between two compiled
+    graphs (a resumable graph break), and only where dropout is on; without dropout nothing forks."""
+    with rng.fork():
+        return fn(*args, **kwargs)
+
+
 @dataclass
 class TPContext:
     """What a layer needs to know about tensor parallelism."""
@@ -140,8 +149,11 @@ class Attention(nn.Module):
         # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank
         q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads
-        with self.ctx.rng.fork():
-            o = attention(q, k, v, is_causal=True, dropout_p=self.dropout if self.training else 0.0, **gqa)
+        p = self.dropout if self.training else 0.0
+        if p > 0:  # the per-TP-rank stream (its swap is not traceable: see forked)
+            o = forked(self.ctx.rng, attention, q, k, v, is_causal=True, dropout_p=p, **gqa)
+        else:
+            o = attention(q, k, v, is_causal=True, **gqa)
         return o.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -193,8 +205,7 @@ class ResidualDropout(nn.Module):
         if self.p == 0.0 or not self.training:
             return x
         if self.ctx.sequence_parallel:
-            with self.ctx.rng.fork():
-                return F.dropout(x, self.p, True)
+            return forked(self.ctx.rng, F.dropout, x, self.p, True)
         return F.dropout(x, self.p, True)
 
 

@@ -87,7 +87,14 @@ def _upcast_dtype(*operands: torch.Tensor) -> Optional[torch.dtype]:
     autocast = torch.is_autocast_enabled("cpu")
     dtype = torch.get_autocast_dtype("cpu") if autocast else operands[0].dtype
     same = all(t.dtype == dtype for t in operands)
-    return dtype if dtype in _NATIVE_FLAGS and (autocast or same) and upcasts(dtype) else None
+    return dtype if dtype in _NATIVE_FLAGS and (autocast or same) and _upcasts(dtype) else None
+
+
+@torch.compiler.assume_constant_result
+def _upcasts(dtype: torch.dtype) -> bool:
+    """``upcasts``, a constant of the process to ``torch.compile`` (called while tracing, never traced: it reads
+    ``/proc/cpuinfo``)."""
+    return upcasts(dtype)
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor] = None) -> torch.Tensor:

@@ -22,6 +22,7 @@ from config import Config
 from fp8.device import check_fp8_device
 from fp8.scaling import Fp8Scaling
 from fp8.zero import Fp8DataParallel
+from model.compile import compile_chunks, enabled as compile_enabled
 from model.gpt import build_chunks, named_parameters
 from model.layers import TPContext
 from parallel import comm
@@ -52,6 +53,9 @@ class Engine:
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
+        self.compiled = compile_enabled(cfg, mesh.device)
+        if self.compiled:  # block forwards and the loss (the module hooks every strategy adds stay eager)
+            compile_chunks(self.chunks)
         self.fp8_scaling: Optional[Fp8Scaling] = None
         if fp8:  # FP8-LM: scaling state of the FP8 GEMMs, and the FP8 data-parallel strategy (fp8/)
             self.fp8_scaling = Fp8Scaling(cfg.fp8, mesh.tp, mesh.dp)
