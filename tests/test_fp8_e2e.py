@@ -40,10 +40,11 @@ def worker(overrides, steps):
             records.append(engine.dp.fp8_record())
     comm = engine.mesh.ledger.snapshot()
     raw = {f"{kind}/{group}": n for (kind, _, group), n in engine.mesh.ledger.bytes.items()}
-    from training.memory import model_state_bytes
+    from training.memory import held_between_steps, model_state_bytes
 
     return {"losses": losses, "fp8": records, "comm": comm, "raw": raw, "memory": engine.dp.memory(),
             "estimated": model_state_bytes(cfg, engine.mesh.layout, engine.mesh.rank),
+            "held": engine.dp.working.now if hasattr(engine.dp, "working") else 0, "held_estimate": held_between_steps(cfg, engine.mesh.layout, engine.mesh.rank),
             "phi": sum(p.numel() for p in engine.params.values())}
 
 
@@ -67,6 +68,8 @@ def test_fp8_tracks_bf16_and_counts_its_bytes(name):
     for r in out:  # the estimator knows where every FP8 state byte lives (whole-tensor owners included)
         for k in ("parameters", "gradients", "optimizer", "fp8_weights"):
             assert r["memory"][k] == r["estimated"][k], (k, r["memory"], r["estimated"])
+        # and what stays between steps: stage 0 its bf16 working weights (materialised once a step), else nothing
+        assert r["held"] == r["held_estimate"], r
 
 
 def test_fp8_gradient_reduction_is_half_of_bf16():

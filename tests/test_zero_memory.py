@@ -9,14 +9,16 @@ MODEL = ["model.d_model=128", "model.vocab_size=512", "model.n_layers=4"]
 
 def measure_worker(overrides):
     from model.flops import parameter_count
-    from training.memory import model_state_bytes
+    from training.memory import held_between_steps, model_state_bytes
 
     cfg = tiny_config(*MODEL, *overrides)
     engine = build_engine(cfg)
     for step in range(2):
         engine.train_step(batch_fn(engine, step))
-    return {"measured": engine.dp.memory(), "estimated": model_state_bytes(cfg, engine.mesh.layout, engine.mesh.rank),
-            "phi": parameter_count(cfg.model)["total"]}
+    layout, rank = engine.mesh.layout, engine.mesh.rank
+    return {"measured": engine.dp.memory(), "estimated": model_state_bytes(cfg, layout, rank),
+            "phi": parameter_count(cfg.model)["total"], "held": engine.dp.working.now if hasattr(engine.dp, "working") else 0,
+            "held_estimate": held_between_steps(cfg, layout, rank)}
 
 
 # bytes per parameter in ZeRO's accounting (paper: K = 12 for mixed-precision Adam), N = 4, padding aside
@@ -38,6 +40,9 @@ def test_measured_model_states_match_estimator_at_dp4(precision, stage):
     assert per_param == pytest.approx(ZERO_ACCOUNTING[precision, stage], rel=0.03), per_param
     if stage == 3:
         assert out[0]["measured"]["working_peak"] > 0, "stage 3 must gather (and count) working buffers"
+    for r in out:  # what stays gathered between steps (stage 3: the next forward's first modules) is known too
+        assert r["held"] == r["held_estimate"], r
+        assert (r["held"] > 0) == (stage == 3), r
 
 
 def test_whole_tensor_shards_pad_to_the_largest_load_and_the_estimator_knows():
@@ -100,5 +105,6 @@ def test_working_peak_follows_prefetch_depth_and_reduces_in_flight():
                                             f"zero.prefetch_depth={depth}", f"zero.reduce_in_flight={flying}"])
         for r in out:
             assert r["measured"]["working_peak"] == r["estimated"]["working_peak"], (depth, flying, r)
+            assert 0 < r["held"] == r["held_estimate"] <= r["measured"]["working_peak"], (depth, r)
         peaks[depth] = out[0]["measured"]["working_peak"]
     assert peaks[3] > peaks[1]

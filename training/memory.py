@@ -87,6 +87,26 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     return out
 
 
+def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
+    """Working bytes ``rank`` holds between two optimizer steps (``Working.now`` after a step): ZeRO-3 with prefetch
+    starts, at the end of its step, the gathers of the next forward's first ``zero.prefetch_depth`` + 1 modules of
+    the first chunk (``ZeroDataParallel._next_forward_units``) and holds them; FP8-LM at stage 0 keeps every unit's
+    bf16 working weights (``fp8/zero.py``). Part of ``working_peak``, never more."""
+    z = cfg.zero
+    chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
+    if cfg.precision == "fp8":
+        return 0 if z.stage else 2 * sum(p.numel() for c in chunks for p in c.parameters())
+    if z.stage != 3 or not z.prefetch or not chunks:
+        return 0
+    units, uses = chunk_units(chunks[0])
+    ahead: List[int] = []
+    for use in uses[:z.prefetch_depth + 1]:
+        ahead += [u for u in use.units if u not in ahead]
+    e_c = DTYPE_BYTES[cfg.precision]
+    return sum(layout.dp * shard_layout([p.numel() for p in units[u].params], layout.dp, z.partition).shard_size
+               * e_c for u in ahead)
+
+
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
     """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by
     ``fp8.zero.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
