@@ -76,6 +76,12 @@ def cpu_fp32() -> bool:
     return mode != "native"
 
 
+@torch.compiler.assume_constant_result
+def _cpu_fp32() -> bool:
+    """``cpu_fp32``, a constant of the process to ``torch.compile`` (called while tracing, never traced)."""
+    return cpu_fp32()
+
+
 def _widen(q: torch.Tensor) -> Tuple[torch.Tensor, float]:
     """``(w, k)``: an fp32 tensor with ``w * k == q`` exactly (k a power of two), made fast on CPU.
 
@@ -101,7 +107,7 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ou
     if emulate:
         with torch.autocast(a.device.type, enabled=False):  # the dtype is chosen here, not by autocast
             return dequantize(a, sa, out_dtype) @ dequantize(b, sb, out_dtype)
-    if a.device.type == "cpu" and cpu_fp32():
+    if a.device.type == "cpu" and _cpu_fp32():
         # _scaled_mm's numerics: exact FP8 x FP8 products summed in fp32, then the dequantizing scales, one
         # rounding to out_dtype (the widening's powers of two are exact: see _widen)
         with torch.autocast("cpu", enabled=False):
@@ -112,10 +118,16 @@ def _mm(a: torch.Tensor, sa: torch.Tensor, b: torch.Tensor, sb: torch.Tensor, ou
                             out_dtype=out_dtype)
 
 
+@torch.compiler.assume_constant_result
+def _capability(index: int) -> Tuple[int, int]:
+    """The CUDA device's compute capability, a constant to ``torch.compile``."""
+    return torch.cuda.get_device_capability(index)
+
+
 def _check_device(x: torch.Tensor, tokens: int, in_features: int, out_features: int) -> None:
     if x.device.type != "cuda":
         return
-    major, minor = torch.cuda.get_device_capability(x.device)
+    major, minor = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if (major, minor) < (8, 9):
         raise RuntimeError(f"FP8 GEMMs (torch._scaled_mm) need compute capability >= 8.9 (Ada, Hopper); this GPU "
                            f"has {major}.{minor}: set fp8.emulate=true for FP8 numerics on bf16 GEMMs")

@@ -251,6 +251,11 @@ class Fp8Scaling:
         self.states = {n: found[n] for n in sorted(found)}
         return self
 
+    def ready(self) -> bool:
+        """Whether every scale has its first value (always under current scaling; under delayed scaling after the
+        first cast of each, or a checkpoint's load): no cast will take the just-in-time path any more."""
+        return self.cfg.scaling == "current" or all(s._ready for _, _, s in self._all())
+
     def _all(self) -> List[Tuple[str, str, ScaleState]]:
         return [(name, role, s) for name, st in self.states.items() for role, s in st.roles()]
 

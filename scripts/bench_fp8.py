@@ -1,8 +1,9 @@
-"""FP8-LM against bf16 on one GPU: tokens/s, TFLOP/s and MFU of the real trainer for the model presets.
+"""FP8-LM against bf16 on one GPU, and both against their peers: tokens/s, TFLOP/s and MFU of the real trainer.
 
-    python scripts/bench_fp8.py                                   # gpt_350m and gpt_1.3b, bf16 and fp8
+    python scripts/bench_fp8.py                                   # gpt_350m and gpt_1.3b, bf16 and fp8, + peers
     python scripts/bench_fp8.py --presets gpt_350m --steps 40 --micro-batch 2
     python scripts/bench_fp8.py --recompute off selective full    # each row with each recompute setting
+    python scripts/bench_fp8.py --no-peers train.compile=false    # the trainer alone, eager
 
 Each row runs ``train.py --config configs/<preset>.yaml precision=... model.activation_checkpointing=...``
 on one device (the preset's model and optimiser, the bundled sample corpus, ``--accum`` micro-batches of
@@ -12,11 +13,18 @@ against the bf16 dense peak for both precisions
 (comparable: how much of the machine the same model uses), and the trainer's own figure for fp8 is against
 the FP8 dense peak. Needs a CUDA device with FP8 (compute capability >= 8.9) for the fp8 rows; on other
 devices they fail with the trainer's error, which the table shows.
+
+Peers (``--peers``, the default): for each preset, the same model shape as a plain PyTorch script
+(``scripts/plain_gpt.py``: fp32 weights, bf16 autocast, fused AdamW) compiled per transformer block, and the same
+with torchao's float8 training (tensorwise; ``requirements-gpu.txt``), in the same invocation, same micro-batch,
+accumulation and steps. Two ratio columns: against this trainer's bf16 row of the same preset and recompute
+setting, and against the compiled plain bf16 row. A peer that cannot run (torchao missing) shows its error.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
 import subprocess
 import sys
 import tempfile
@@ -54,6 +62,20 @@ def run(preset: str, precision: str, recompute: str, args, out: Path) -> dict:
             "loss": timed[-1]["loss"]}
 
 
+def peer(preset: str, args, compiled: bool, float8: bool) -> dict:
+    """One run of scripts/plain_gpt.py (its JSON line), or {"error": ...}."""
+    cmd = [sys.executable, str(ROOT / "scripts" / "plain_gpt.py"), "--preset", preset, "--steps", str(args.steps),
+           "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--accum", str(args.accum)]
+    cmd += ["--compile"] * compiled + ["--float8"] * float8
+    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
+        [str(ROOT)] + ([os.environ["PYTHONPATH"]] if os.environ.get("PYTHONPATH") else []))})
+    lines = [ln for ln in p.stdout.splitlines() if ln.startswith("{")]
+    if p.returncode != 0 or not lines:
+        err = (p.stderr or p.stdout).strip().splitlines()
+        return {"error": next((ln for ln in reversed(err) if "Error" in ln), err[-1] if err else f"rc {p.returncode}")[:200]}
+    return json.loads(lines[-1])
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["gpt_350m", "gpt_1.3b"])
@@ -64,7 +86,9 @@ def main(argv=None) -> int:
     ap.add_argument("--warmup", type=int, default=10)
     ap.add_argument("--micro-batch", type=int, default=4)
     ap.add_argument("--accum", type=int, default=4)
-    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
+    ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
+                    help="plain PyTorch rows (compiled bf16, + torchao float8) per preset")
+    ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every trainer run")
     args = ap.parse_args(argv)
     try:
         import torch
@@ -73,26 +97,55 @@ def main(argv=None) -> int:
     except Exception:  # noqa: BLE001 - only for the table's header
         name = "unknown"
     peak = next((v for k, v in sorted(BF16_PEAK.items(), key=lambda kv: -len(kv[0])) if k in name), None)
-    print(f"device: {name}; {args.steps} steps ({args.warmup} warm-up), micro-batch {args.micro_batch} x "
-          f"{args.accum}\n")
-    print("| preset | recompute | precision | tokens/s | TFLOP/s | MFU (bf16 peak) | MFU (trainer) | peak mem GiB "
-          "| loss | vs bf16 |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+    try:
+        import torch
+
+        versions = f"torch {torch.__version__} (CUDA {torch.version.cuda})"
+    except Exception:  # noqa: BLE001
+        versions = "torch unknown"
+    print(f"device: {name}; {versions}; {args.steps} steps ({args.warmup} warm-up), micro-batch {args.micro_batch} "
+          f"x {args.accum}; overrides: {' '.join(args.overrides) or 'none'}\n")
+    print("| preset | recompute | run | tokens/s | TFLOP/s | MFU (bf16 peak) | MFU (trainer) | peak mem GiB | loss "
+          "| vs our bf16 | vs plain compiled bf16 |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    sys.path.insert(0, str(ROOT))
+    from config import load_config
+    from model.flops import flops_per_token
+
+    def row(preset, recompute, label, r, ours_bf16, plain) -> None:
+        if "error" in r:
+            print(f"| {preset} | {recompute} | {label} | failed: {r['error']} ||||||||", flush=True)
+            return
+        tflops = r.get("tflops") or r["tokens_per_s"] * fpt / 1e12
+        mfu16 = f"{100 * tflops / peak:.1f}%" if peak else "n/a"
+        mfu = f"{100 * r['mfu']:.1f}%" if r.get("mfu") is not None else "n/a"
+        ratio = lambda base: f"{r['tokens_per_s'] / base:.2f}x" if base else "n/a"  # noqa: E731
+        print(f"| {preset} | {recompute} | {label} | {r['tokens_per_s']:,.0f} | {tflops:.1f} | {mfu16} | {mfu} | "
+              f"{r['peak_mem_gib']:.1f} | {r['loss']:.3f} | {ratio(ours_bf16)} | {ratio(plain)} |", flush=True)
+
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
+            fpt = flops_per_token(load_config(str(ROOT / "configs" / f"{preset}.yaml"), []).model)
+            plain, peers = None, []
+            if args.peers:  # run first: their compiled bf16 is the second ratio's base for every row
+                for label, compiled, float8 in (("plain PyTorch, compiled bf16", True, False),
+                                                ("plain PyTorch + torchao float8, compiled", True, True)):
+                    r = peer(preset, args, compiled, float8)
+                    peers.append((label, r))
+                    if not float8 and "error" not in r:
+                        plain = r["tokens_per_s"]
+            ours_bf16 = None
             for recompute in args.recompute:
                 base = None
                 for precision in args.precisions:
                     r = run(preset, precision, recompute, args, Path(tmp))
-                    if "error" in r:
-                        print(f"| {preset} | {recompute} | {precision} | failed: {r['error']} |||||||", flush=True)
-                        continue
-                    base = base or r["tokens_per_s"]
-                    mfu16 = f"{100 * r['tflops'] / peak:.1f}%" if peak else "n/a"
-                    mfu = f"{100 * r['mfu']:.1f}%" if r["mfu"] is not None else "n/a"
-                    print(f"| {preset} | {recompute} | {precision} | {r['tokens_per_s']:,.0f} | {r['tflops']:.1f} | "
-                          f"{mfu16} | {mfu} | {r['peak_mem_gib']:.1f} | {r['loss']:.3f} | "
-                          f"{r['tokens_per_s'] / base:.2f}x |", flush=True)
+                    if precision == "bf16" and "error" not in r:
+                        base = r["tokens_per_s"]
+                        if recompute == "off" or ours_bf16 is None:
+                            ours_bf16 = base
+                    row(preset, recompute, f"this trainer, {precision}", r, base, plain)
+            for label, r in peers:
+                row(preset, "off", label, r, ours_bf16, plain)
     return 0
 
 

@@ -12,20 +12,22 @@
 #   1. the machine: GPU, driver, torch / CUDA / Triton versions.
 #   2. the GPU tier: python -m pytest tests/gpu (marker gpu).
 #   3. kernel bandwidth: python scripts/bench_quant.py --device cuda.
-#   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_350m and gpt_1.3b, bf16 and fp8,
-#      recompute off and selective).
-#   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8.
-# Environment knobs: GPU_CHECK_STEPS (bench steps, default 16), GPU_CHECK_SKIP (space-separated step
-# numbers to skip, e.g. "4 5"), GPU_CHECK_PRESETS (default "gpt_350m gpt_1.3b").
+#   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_1.3b, bf16 and fp8, recompute off,
+#      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
+#      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
+#   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4).
+# Environment knobs: GPU_CHECK_STEPS (bench steps, default 12), GPU_CHECK_SKIP (space-separated step
+# numbers to skip, e.g. "4 5"), GPU_CHECK_PRESETS (default "gpt_1.3b"), GPU_CHECK_RECOMPUTE (default "off"),
+# GPU_CHECK_PROFILE (precisions profiled, default "bf16 fp8"), GPU_CHECK_TESTS (pytest -k expression for step 2).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
-WHEELS=(omegaconf==2.3.0 antlr4-python3-runtime==4.9.3)
+WHEELS=(omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 torchao==0.18.0)
 
 if [[ "${1:-}" == "--fetch-wheels" ]]; then
     mkdir -p "$ROOT/.whl"
     # omegaconf's own wheel; antlr4-python3-runtime 4.9.3 is published as a source archive only: build its
-    # (pure-Python) wheel here
-    python3 -m pip download --no-deps --only-binary=:all: -d "$ROOT/.whl" "${WHEELS[0]}" &&
+    # (pure-Python) wheel here; torchao's abi3 wheel (the float8 peer row; imports on torch 2.11 and 2.13)
+    python3 -m pip download --no-deps --only-binary=:all: -d "$ROOT/.whl" "${WHEELS[0]}" "${WHEELS[2]}" &&
         python3 -m pip wheel --no-deps -w "$ROOT/.whl" "${WHEELS[1]}" || exit 1
     ls -l "$ROOT/.whl"
     exit 0
@@ -36,9 +38,12 @@ mkdir -p "$OUT"
 OUT="$(cd "$OUT" && pwd)"
 cd "$ROOT"
 PY="${PYTHON:-python3}"
-STEPS="${GPU_CHECK_STEPS:-16}"
+STEPS="${GPU_CHECK_STEPS:-12}"
 SKIP=" ${GPU_CHECK_SKIP:-} "
-PRESETS="${GPU_CHECK_PRESETS:-gpt_350m gpt_1.3b}"
+PRESETS="${GPU_CHECK_PRESETS:-gpt_1.3b}"
+RECOMPUTE="${GPU_CHECK_RECOMPUTE:-off}"
+PROFILE="${GPU_CHECK_PROFILE:-bf16 fp8}"
+TESTS="${GPU_CHECK_TESTS:-}"
 REPORT="$OUT/report.md"
 status=0
 
@@ -64,16 +69,16 @@ run() {
 
 section "0. preparation"
 site="${TMPDIR:-/tmp}/gpu_check_site"
-if ! "$PY" -c "import omegaconf" 2>/dev/null; then
+if ! "$PY" -c "import omegaconf, torchao" 2>/dev/null; then
     if compgen -G "$ROOT/.whl/*.whl" > /dev/null; then
         "$PY" -m pip install -q --no-index --no-deps --no-compile --no-cache-dir --upgrade --target "$site" \
             "$ROOT"/.whl/*.whl 2>&1 | tail -3 | tee -a "$REPORT"
         export PYTHONPATH="$site${PYTHONPATH:+:$PYTHONPATH}"
         echo "installed $(ls "$ROOT"/.whl | tr '\n' ' ') into $site" | tee -a "$REPORT"
     else
-        echo "omegaconf is missing and .whl/ holds no wheels: run 'bash scripts/gpu_check.sh --fetch-wheels' on a" \
-             "machine with PyPI and bring .whl/ along" | tee -a "$REPORT"
-        exit 2
+        echo "omegaconf or torchao is missing and .whl/ holds no wheels: run 'bash scripts/gpu_check.sh" \
+             "--fetch-wheels' on a machine with PyPI and bring .whl/ along" | tee -a "$REPORT"
+        "$PY" -c "import omegaconf" 2>/dev/null || exit 2  # torchao alone only costs the float8 peer row
     fi
 fi
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}" PYTHONUNBUFFERED=1
@@ -95,20 +100,20 @@ EOF
 [[ $? -eq 0 ]] || { echo "no usable GPU: stopping" | tee -a "$REPORT"; exit 2; }
 
 section "2. GPU tier (tests/gpu)"
-run 2 420 gpu_tier.log "$PY" -m pytest tests/gpu -p no:cacheprovider -rA -q -s --timeout 400
+run 2 420 gpu_tier.log "$PY" -m pytest tests/gpu -p no:cacheprovider -rA -q -s --timeout 400 ${TESTS:+-k "$TESTS"}
 
 section "3. quantization kernels on the GPU"
 run 3 120 bench_kernels.log "$PY" scripts/bench_quant.py --device cuda --repeats 10
 
 section "4. speed: tokens/s, TFLOP/s and MFU on one GPU"
 # shellcheck disable=SC2086
-run 4 420 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute off selective \
-    --steps "$STEPS" --warmup 6 --micro-batch 4 --accum 4
+run 4 480 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
+    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4
 
 section "5. where one step's time goes"
-for prec in bf16 fp8; do
-    run 5 150 "profile_${prec}.log" "$PY" scripts/profile_step.py --preset gpt_1.3b --precision "$prec" \
-        --micro-batch 4 --accum 1 --warmup 3
+for prec in $PROFILE; do
+    run 5 180 "profile_${prec}.log" "$PY" scripts/profile_step.py --preset gpt_1.3b --precision "$prec" \
+        --micro-batch 4 --accum 4 --warmup 3 model.activation_checkpointing=off
 done
 
 echo | tee -a "$REPORT"

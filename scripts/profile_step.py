@@ -114,7 +114,16 @@ def main(argv=None) -> int:
           f"{args.micro_batch} x {args.accum} micro-batches of {cfg.model.seq_len} tokens on {name} "
           f"(torch {torch.__version__})\n")
     print(f"step wall {wall * 1e3:.1f} ms ({tokens / wall:,.0f} tokens/s, {tflops:.1f} TFLOP/s); device busy "
-          f"{busy * 1e3:.1f} ms ({100 * busy / wall:.0f}% of the step)\n")
+          f"{busy * 1e3:.1f} ms ({100 * busy / wall:.0f}% of the step); train.compile={engine.compiled}\n")
+    # how much the host dispatches: every aten operator call (eager ones, and those inside compiled graphs that
+    # inductor left as aten calls: GEMMs, attention) and, on a GPU, every kernel launched
+    aten = [e for e in events if e.key.startswith("aten::")]
+    top_level = sum(e.count for e in aten)
+    launches = sum(e.count for e in kernels)
+    compiled = sum(e.count for e in events if e.key.startswith(("CompiledFunction", "Torch-Compiled Region")))
+    print(f"aten operator calls {top_level:,}; kernels launched {launches:,}" if on_device else
+          f"aten operator calls {top_level:,}", f"; compiled-graph calls {compiled}")
+    print("most called:", ", ".join(f"{e.key} {e.count}" for e in sorted(aten, key=lambda e: -e.count)[:8]), "\n")
     if on_device:
         print("| kind of work | device ms | share of busy |")
         print("|---|---:|---:|")

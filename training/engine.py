@@ -54,8 +54,7 @@ class Engine:
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
         self.compiled = compile_enabled(cfg, mesh.device)
-        if self.compiled:  # block forwards and the loss (the module hooks every strategy adds stay eager)
-            compile_chunks(self.chunks)
+        self._compile_pending = self.compiled  # block forwards and the loss: see _compile_when_ready
         self.fp8_scaling: Optional[Fp8Scaling] = None
         if fp8:  # FP8-LM: scaling state of the FP8 GEMMs, and the FP8 data-parallel strategy (fp8/)
             self.fp8_scaling = Fp8Scaling(cfg.fp8, mesh.tp, mesh.dp)
@@ -79,10 +78,22 @@ class Engine:
             return contextlib.nullcontext()
         return torch.autocast(self.mesh.device.type, dtype=self.compute_dtype)
 
+    def _compile_when_ready(self) -> None:
+        """``train.compile``: compile the blocks' forwards and the loss (``model/compile.py``; the module hooks the
+        data-parallel strategies add stay eager) before the first forward, or, under delayed FP8 scaling, once every
+        scale has been initialised: the just-in-time first scales of a fresh run (``fp8/scaling.py``) read a device
+        flag and reduce over TP and DP, which is eager work, so the first step runs eagerly (a resumed run has its
+        scales from the checkpoint and compiles at once)."""
+        if not self._compile_pending or (self.fp8_scaling is not None and not self.fp8_scaling.ready()):
+            return
+        compile_chunks(self.chunks)
+        self._compile_pending = False
+
     # -- the step -------------------------------------------------------------------------------
     def forward_backward(self, batch: BatchFn) -> List[torch.Tensor]:
         """Gradients of the global batch (DP mean, scaled by the loss scale); returns this rank's micro-batch
         losses (the last stage's; empty elsewhere)."""
+        self._compile_when_ready()
         comm.mark("forward_backward")
         self.dp.zero_grad()
         num_mb = self.mesh.layout.num_microbatches
@@ -145,6 +156,7 @@ class Engine:
 
     @torch.no_grad()
     def eval_loss(self, batch: BatchFn) -> float:
+        self._compile_when_ready()
         for c in self.chunks:
             c.eval()
         try:

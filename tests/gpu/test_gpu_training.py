@@ -48,7 +48,8 @@ def _cfg(run_dir: Path, device: str, *overrides: str):
         f"device={device}", f"logging.run_dir={run_dir}", "logging.interval=1", "logging.wandb.mode=disabled",
         f"data.paths=[{ROOT / 'data/sample/sample_text_document'}]", f"data.tokenizer={ROOT / 'data/sample/tokenizer.model'}",
         f"train.max_steps={STEPS}", f"train.decay_steps={STEPS}", "train.warmup_steps=2", "train.eval_interval=0", "checkpoint.interval=0",
-        "checkpoint.save_at_exit=false", *overrides])
+        # CUDA against CPU compares devices, eager on both; compiled against eager is its own test below
+        "checkpoint.save_at_exit=false", "train.compile=false", *overrides])
 
 
 def _train(run_dir: Path, device: str, *overrides: str) -> Dict[int, dict]:
@@ -92,6 +93,27 @@ def test_training_steps_on_cuda_match_cpu(tmp_path, precision):
     fall = cpu[1]["loss"] - cpu[STEPS]["loss"]
     assert fall > tol_loss * cpu[1]["loss"], f"the loss must fall for the comparison to mean anything ({fall})"
     assert gpu[STEPS]["peak_mem_bytes"] > 0
+
+
+@pytest.mark.parametrize("precision,overrides", [("bf16", []), ("fp8", []), ("fp8", ["fp8.scaling=current"]),
+                                                 ("bf16", ["zero.stage=3"])],
+                         ids=["bf16", "fp8_delayed", "fp8_current", "bf16_zero3"])
+def test_compiled_training_matches_eager_on_cuda(tmp_path, precision, overrides):
+    """train.compile=true (blocks and loss through inductor) trains the steps eager CUDA trains, within the bf16 /
+    FP8 tolerances of the device comparison, with validation in between (a second graph for no_grad) and no
+    recompilation after the first two steps."""
+    if precision == "fp8" and torch.cuda.get_device_capability() < (8, 9):
+        pytest.skip("no FP8 tensor cores on this GPU")
+    from model.compile import recompiles
+
+    extra = [f"precision={precision}", "train.eval_interval=2", *overrides, *(FP8_SHAPE if precision == "fp8" else [])]
+    eager = _train(tmp_path / "eager", "cuda", *extra)
+    before = recompiles()
+    compiled = _train(tmp_path / "compiled", "cuda", *extra, "train.compile=true")
+    bad = _compare(compiled, eager, *TOL[precision][:2], sorted(eager), TOL[precision][2])
+    assert not bad, bad
+    # warm-up: step 1 (delayed FP8 runs it eagerly), step 2's compile, the first validation's no_grad graph
+    assert recompiles() - before <= 2, recompiles() - before
 
 
 @pytest.mark.parametrize("precision", ["bf16", "fp8"])
@@ -147,7 +169,8 @@ def _measure_memory(precision: str, stage: int) -> dict:
 
     cfg = load_config(None, ["model.n_layers=6", "model.d_model=1024", "model.n_heads=16", "model.seq_len=256",
                              "model.vocab_size=32768", "train.micro_batch_size=4", "train.global_batch_size=8",
-                             "logging.wandb.mode=disabled", f"precision={precision}", f"zero.stage={stage}"])
+                             "logging.wandb.mode=disabled", f"precision={precision}", f"zero.stage={stage}",
+                             "train.compile=false"])
     device = torch.device("cuda")
     _warm_up_cublas(device)
     gc.collect()
