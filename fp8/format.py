@@ -43,8 +43,8 @@ def amax(x: torch.Tensor) -> torch.Tensor:
     return x.detach().abs().max().float()
 
 
-def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 0, power_of_two: bool = False,
-                    previous: Optional[torch.Tensor] = None) -> torch.Tensor:
+def scale_from_amax(amax_value: torch.Tensor, dtype: Optional[torch.dtype], margin: int = 0, power_of_two: bool = False,
+                    previous: Optional[torch.Tensor] = None, maximum: Optional[torch.Tensor] = None) -> torch.Tensor:
     """``max(dtype) / amax / 2**margin`` as an fp32 tensor of amax's shape (0-dim for one tensor, [T] for T at
     once), rounded down to 2**k if ``power_of_two``.
 
@@ -52,11 +52,15 @@ def scale_from_amax(amax_value: torch.Tensor, dtype: torch.dtype, margin: int = 
     kept (1 when there is none). The power of two is read off the scale's exponent bits (its sign and
     mantissa cleared): exactly 2**floor(log2(scale)) for every normal scale, and the same bits element by
     element however many scales are computed at once (an fp32 ``log2`` may round up to the next integer
-    just below a power of two, and vectorised and scalar ``log2`` need not agree)."""
+    just below a power of two, and vectorised and scalar ``log2`` need not agree).
+
+    ``maximum`` (instead of ``dtype``): each element's format maximum, an fp32 tensor of amax's shape, for scales
+    of several formats at once (the same bits as one call per format)."""
     amax_value = amax_value.float()
     # a true fp32 division (``python_float / tensor`` is a reciprocal then a product: two roundings, which
     # can round a quotient just below 2**k up to 2**k and so scale the amax past the format's maximum)
-    scale = torch.full_like(amax_value, format_max(dtype)) / amax_value / (2.0 ** margin)
+    top = maximum if maximum is not None else torch.full_like(amax_value, format_max(dtype))
+    scale = top / amax_value / (2.0 ** margin)
     ok = torch.isfinite(amax_value) & (amax_value > 0) & torch.isfinite(scale) & (scale > 0)
     if power_of_two:  # scale >= max / FLT_MAX > 2**-126 wherever ok: always normal there
         scale = (scale.view(torch.int32) & 0x7F800000).view(torch.float32)

@@ -53,7 +53,7 @@ from torch import nn
 from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
-from fp8.grad_comm import AutoScale, _all_reduce_fp8, _cast_gradient, _reduce_scatter_fp8
+from fp8.grad_comm import AutoScale, _all_reduce_fp8, _reduce_scatter_fp8, cast_gradients
 from fp8.segments import Segments
 from parallel import comm
 from parallel.mesh import Mesh
@@ -133,6 +133,7 @@ class Fp8Unit:
         self.grad8 = torch.zeros(self.extent, dtype=torch.uint8, device=device)
         self.grad_scale = torch.ones_like(self.master_scale)
         self.grad_acc: Optional[torch.Tensor] = None  # fp32 working accumulation during backward
+        self.grad_views: Optional[List[torch.Tensor]] = None  # each parameter's view of it
         # E4M3 weights: stages 1-2 every tensor (compact), stage 3 the owned ones (packed)
         self.w8 = torch.zeros(self.numel if stage in (1, 2) else self.extent if stage == 3 else 0, dtype=E4M3,
                               device=device)
@@ -177,11 +178,13 @@ class Fp8Unit:
         return adam.master_value(self.master[a:b], self.master_scale[i])
 
     def grad_view(self, i: int) -> torch.Tensor:
+        """Tensor i's piece of the fp32 gradient accumulation buffer (allocated, with every tensor's view, at the
+        first gradient of a step)."""
         if self.grad_acc is None:
             self.grad_acc = torch.zeros(self.numel, dtype=torch.float32, device=self.full.device)
             self.working.add(self.grad_acc.numel() * 4)
-        a, b = self.compact[i]
-        return self.grad_acc[a:b].view(self.params[i].shape)
+            self.grad_views = [self.grad_acc[a:b].view(p.shape) for p, (a, b) in zip(self.params, self.compact)]
+        return self.grad_views[i]
 
     def set_weights(self, data: torch.Tensor, scales: torch.Tensor) -> None:
         """Dequantize every tensor's E4M3 bytes (compact order) into the bf16 working buffer (packed: one pass,
@@ -283,14 +286,16 @@ class Fp8DataParallel(ZeroDataParallel):
             comm.all_reduce(flat, self.mesh.tp)
             torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
         data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
-        scales = torch.ones(unit.T, dtype=torch.float32, device=acc.device)
-        margin, power_of_two = self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales
-        saturated = torch.zeros((), dtype=torch.int64, device=acc.device)  # counts stay on the device (no syncs)
-        for i, ((a, b), (lo, hi)) in enumerate(zip(unit.compact, unit.bounds)):
-            q, s, sat = _cast_gradient(acc[a:b], self.autoscale.mu, self.grad_fmt, margin, power_of_two)
-            data[lo:hi], scales[i] = q, s
-            saturated += sat
+        # every tensor cast with its own scale in a few whole-unit kernels (counts stay on the device: no syncs)
+        q, scales, saturated = cast_gradients(acc, unit.packing()["compact"], self.autoscale.mu, self.grad_fmt,
+                                              self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales)
+        if list(unit.compact) == list(unit.bounds):  # stage 0's flat layout: tensors back to back from 0
+            data[:unit.numel] = q
+        else:
+            for (a, b), (lo, hi) in zip(unit.compact, unit.bounds):
+                data[lo:hi] = q[a:b]
         unit.grad_acc = None
+        unit.grad_views = None
         self.working.sub(acc.numel() * 4)
         del acc
         dp = self.mesh.dp

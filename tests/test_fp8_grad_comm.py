@@ -511,3 +511,27 @@ def test_injected_overflow_halves_mu_then_clean_steps_double_it(dp2_world) -> No
         assert (over + sat > 0) == (mu >= 1.0), (mu, over, sat)
     assert r0["final_mu"] == 1.0  # the last 3 steps were clean: doubled after the last one
     assert r0["changes"] == 21 + 1 + 1 + 1
+
+
+@pytest.mark.parametrize("fmt", [E5M2, E4M3])
+@pytest.mark.parametrize("fused", [False, True], ids=["cpu_loops", "fused_kernels"])
+def test_whole_buffer_gradient_cast_is_the_per_tensor_cast_bit_for_bit(fmt, fused) -> None:
+    """fp8/zero.py casts a unit's gradients with cast_gradients (a few whole-buffer kernels); the reference is
+    _cast_gradient on each tensor alone: the same FP8 bytes, scales and saturation count, for tensors that are
+    ordinary, tiny, huge (saturating under mu), all zero, empty, holding a NaN or an inf."""
+    from fp8.grad_comm import _cast_gradient, cast_gradients
+    from fp8.segments import Segments
+
+    g = torch.Generator().manual_seed(3)
+    pieces = [torch.randn(50, generator=g), torch.randn(7, generator=g) * 1e-30, torch.randn(33, generator=g) * 1e30,
+              torch.zeros(9), torch.zeros(0), torch.randn(12, generator=g), torch.randn(5, generator=g)]
+    pieces[5][3] = float("nan")
+    pieces[6][1] = float("-inf")
+    for mu, margin, pow2 in ((1.0, 0, False), (2.0 ** 10, 1, True), (2.0 ** -3, 0, True)):
+        want = [_cast_gradient(p.clone(), mu, fmt, margin, pow2) for p in pieces]
+        acc = torch.cat(pieces)
+        q, scales, saturated = cast_gradients(acc, Segments([p.numel() for p in pieces], "cpu", fused=fused), mu, fmt,
+                                              margin, pow2)
+        assert torch.equal(q.view(torch.uint8), torch.cat([w[0].view(torch.uint8) for w in want])), mu
+        assert torch.equal(scales, torch.stack([w[1] for w in want])), mu
+        assert int(saturated) == sum(int(w[2]) for w in want), mu

@@ -153,6 +153,37 @@ def test_delayed_history_roll_and_scale_rule(compute: str, margin: int, pow2: bo
         assert history == [6.0, 0.375, 0.75]
 
 
+@pytest.mark.parametrize("compute,margin,pow2,grad_format", [("max", 0, False, "e5m2"), ("most_recent", 1, True, "e4m3")])
+def test_update_of_the_stacked_states_is_each_state_advanced_alone(compute, margin, pow2, grad_format) -> None:
+    """Fp8Scaling.update advances every state in a few whole-stack operations; the reference is
+    ScaleState._advance run on each state alone (a copy of the same states): the same bits, every field, over
+    steps that include a NaN, an inf and a zero amax, with formats of two maxima in one stack."""
+    import copy
+
+    cfg = _cfg(scaling="delayed", amax_history_len=4, amax_compute=compute, margin=margin, power_of_two_scales=pow2,
+               gradient_format=grad_format)
+    model = _model(cfg, 3)
+    sc, tp = _scaling(cfg, model), _group("tp")
+    rng = torch.Generator().manual_seed(0)
+    for step, bad in enumerate([None, float("nan"), None, float("inf"), 0.0, None]):
+        for k, lin in enumerate(model.blocks):
+            for role in ("input", "weight", "grad"):
+                a = float(torch.rand((), generator=rng)) * 10 ** (k - 1) + 1e-3
+                getattr(lin.fp8_states, role).cast(_with_amax(a), tp)
+        if bad is not None:
+            model.blocks[1].fp8_states.grad.pending.fill_(bad)
+        ref = [copy.deepcopy(lin.fp8_states) for lin in model.blocks]
+        sc.update()
+        for lin, want in zip(model.blocks, ref):
+            for role in ("input", "weight", "grad"):
+                r = getattr(want, role)
+                r._advance(r.pending.clone())
+                got = getattr(lin.fp8_states, role)
+                for field in ("scale", "amax_history", "pending"):
+                    a, b = getattr(got, field), getattr(r, field)
+                    assert torch.equal(a.view(torch.int32), b.view(torch.int32)), (step, role, field, a, b)
+
+
 def test_power_of_two_and_margin_by_hand() -> None:
     cfg = _cfg(scaling="current", margin=1, power_of_two_scales=True)
     st = _model(cfg, 1).blocks[0].fp8_states
