@@ -42,7 +42,7 @@ amax relative to sqrt(v).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional
+from typing import Any, Dict, Iterable, Optional, Union
 
 import torch
 
@@ -86,14 +86,22 @@ def _check(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: torch.
 
 
 def _moments_and_step(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                      step: int, lr: float, beta1: float, beta2: float, eps: float) -> None:
+                      step: int, lr: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float) -> None:
     """AdamW after the decay, in fp32 and in place: m, v, bias corrections and the parameter step, operation for
-    operation parallel/zero/adamw.py's (shared by the per-tensor and the packed update)."""
+    operation parallel/zero/adamw.py's (shared by the per-tensor and the packed update).
+
+    ``lr`` a 0-dim float64 tensor: the compiled packed update (``fp8/zero.py`` under ``train.compile``), where a
+    Python float learning rate that changes every step was seen held at its first value by the compiled graph
+    (torch 2.13); the parameter step is then ``p - (m / denom) * step_size`` (addcdiv takes no tensor factor), the
+    same operations up to their order, so not the same bits as the eager update."""
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     step_size = lr / (1.0 - beta1 ** step)
     denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
-    p.addcdiv_(exp_avg, denom, value=-step_size)
+    if isinstance(step_size, torch.Tensor):
+        p.sub_(exp_avg / denom * step_size.float())
+    else:
+        p.addcdiv_(exp_avg, denom, value=-step_size)
 
 
 @torch.no_grad()
@@ -134,8 +142,8 @@ def _requantize_packed(x: torch.Tensor, q: torch.Tensor, scales: torch.Tensor, s
 @torch.no_grad()
 def adamw_update_packed(master: torch.Tensor, master_scales: Optional[torch.Tensor], m: torch.Tensor,
                         m_scales: torch.Tensor, v: torch.Tensor, v_scales: torch.Tensor, grad: torch.Tensor,
-                        segments: Segments, weight_decays: torch.Tensor, *, step: int, lr: float, beta1: float,
-                        beta2: float, eps: float) -> None:
+                        segments: Segments, weight_decays: torch.Tensor, *, step: int, lr: Union[float, torch.Tensor],
+                        beta1: float, beta2: float, eps: float) -> None:
     """``adamw_update`` of T whole tensors stored back to back in flat buffers, in a fixed number of kernels
     whatever T is (the per-tensor loop launches some 40 small kernels a tensor, which is what an FP8 step
     spends its GPU time on).

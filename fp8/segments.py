@@ -72,7 +72,7 @@ class Segments:
         """Per-segment max of ``x`` [numel] as [T] (0 for an empty segment; a NaN in a segment gives NaN).
         For amaxes: pass ``x.abs()`` (every value >= 0, so the empty segment's 0 is the identity)."""
         self._check(x, "max", self.numel)
-        if self.fused:
+        if self.fused and not torch.compiler.is_compiling():  # compiled: the loop's reductions are fused anyway
             return self._per_nonempty(x, torch._foreach_max)
         if not self.lengths:
             return x.new_zeros(0)
@@ -83,6 +83,6 @@ class Segments:
         """Per-segment sum of ``x`` [numel] as [T] (0 for an empty segment). ``x`` must be >= 0 (squares,
         counts): the fused form is the 1-norm of each segment."""
         self._check(x, "sum", self.numel)
-        if self.fused:
+        if self.fused and not torch.compiler.is_compiling():
             return self._per_nonempty(x, lambda views: torch._foreach_norm(views, 1))
         return torch.stack([p.sum() for p in x.split(self.lengths)]) if self.lengths else x.new_zeros(0)

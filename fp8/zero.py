@@ -55,6 +55,7 @@ from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import AutoScale, _all_reduce_fp8, _reduce_scatter_fp8, cast_gradients
 from fp8.segments import Segments
+from model.compile import backend as compile_backend, enabled as compile_enabled
 from parallel import comm
 from parallel.mesh import Mesh
 from parallel.optim_rules import grad_factor, owns_gradient, unscaled_norm, weight_decay_exempt
@@ -214,6 +215,11 @@ class _Gather:
             u.secondary_scale.copy_(scales)
 
 
+def dequantize_segments(q: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """fp32 values of T tensors stored back to back in ``q``, each read with its scale: ``q / scale``."""
+    return dequantize(q, segments.spread(scales))
+
+
 def packed_updates(device: torch.device) -> bool:
     """Whether a unit's tensors are updated together (packed) or one by one; the same bits either way (tested).
 
@@ -246,6 +252,13 @@ class Fp8DataParallel(ZeroDataParallel):
         master_dtype = MASTER_DTYPES[f.master_dtype]
         owners = OwnerBalance(mesh.dp.size)
         self.packed = packed_updates(mesh.device)
+        # train.compile: a unit's whole-unit operations (gradient cast, dequantizations, the AdamW update) compiled,
+        # each into a few fused kernels (one graph per kind of unit: embedding, block, final norm)
+        compiled = compile_enabled(cfg, mesh.device) and self.packed
+        jit = (lambda fn: torch.compile(fn, backend=compile_backend())) if compiled else (lambda fn: fn)
+        self._adamw, self._cast, self._dequantize = (jit(adam.adamw_update_packed), jit(cast_gradients),
+                                                     jit(dequantize_segments))
+        self._lr = torch.zeros((), dtype=torch.float64, device=mesh.device) if compiled else None
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed))
         self._factor = 1.0
@@ -287,8 +300,8 @@ class Fp8DataParallel(ZeroDataParallel):
             torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
         data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
         # every tensor cast with its own scale in a few whole-unit kernels (counts stay on the device: no syncs)
-        q, scales, saturated = cast_gradients(acc, unit.packing()["compact"], self.autoscale.mu, self.grad_fmt,
-                                              self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales)
+        q, scales, saturated = self._cast(acc, unit.packing()["compact"], self.autoscale.mu, self.grad_fmt,
+                                          self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales)
         if list(unit.compact) == list(unit.bounds):  # stage 0's flat layout: tensors back to back from 0
             data[:unit.numel] = q
         else:
@@ -322,8 +335,7 @@ class Fp8DataParallel(ZeroDataParallel):
     def _owned_grads(self, u: Fp8Unit) -> torch.Tensor:
         """The DP mean of mu * g for every owned tensor, back to back (``where`` order), fp32: ``_grad`` of each."""
         pk = u.packing()
-        per_element = pk["owned"].spread(u.grad_scale[pk["index"]])
-        return dequantize(u.grad8[:u.extent].view(self.grad_fmt), per_element)
+        return self._dequantize(u.grad8[:u.extent].view(self.grad_fmt), u.grad_scale[pk["index"]], pk["owned"])
 
     def _grad(self, u: Fp8Unit, i: int) -> torch.Tensor:
         """The DP mean of mu * g for owned tensor i, fp32."""
@@ -386,9 +398,9 @@ class Fp8DataParallel(ZeroDataParallel):
             scales = [u.master_scale[idx], u.m_scale[idx], u.v_scale[idx]]
             grad = self._owned_grads(u) * self._factor
             weight_decays = pk["decay"].to(torch.float64) * t.weight_decay  # exactly wd or 0, in float64
-            adam.adamw_update_packed(u.master, scales[0], u.m, scales[1], u.v, scales[2], grad, pk["owned"],
-                                     weight_decays, step=self.optimizer_steps, lr=lr, beta1=t.beta1,
-                                     beta2=t.beta2, eps=t.eps)
+            self._adamw(u.master, scales[0], u.m, scales[1], u.v, scales[2], grad, pk["owned"], weight_decays,
+                        step=self.optimizer_steps, lr=lr if self._lr is None else self._lr.fill_(lr), beta1=t.beta1,
+                        beta2=t.beta2, eps=t.eps)
             for dst, src in zip((u.master_scale, u.m_scale, u.v_scale), scales):
                 dst.index_copy_(0, idx, src)
         self._refresh_weights()
@@ -458,8 +470,7 @@ class Fp8DataParallel(ZeroDataParallel):
         elif unit.master.dtype == torch.float32:  # packed: owned = all, where = compact (back to back)
             unit.full.copy_(unit.master)
         else:
-            per_element = unit.packing()["owned"].spread(unit.master_scale)
-            unit.full.copy_(dequantize(unit.master, per_element))
+            unit.full.copy_(self._dequantize(unit.master, unit.master_scale, unit.packing()["owned"]))
 
     def _start_gather(self, unit: Fp8Unit) -> None:
         if unit.gathered or unit.gather_work is not None:

@@ -6,7 +6,8 @@ from block to block), and the compile time is that of one block, not of the mode
 block's norms, rotary embedding, residual adds, activation functions and, under ``precision=fp8``, every
 operand's amax, scale and saturating cast (``fp8/linear.py``) into a few kernels around the GEMMs and
 the attention kernel. The loss (final norm, output projection, the fp32 upcast of the logits and the
-cross entropy) is compiled too, so the fp32 logits are never written out whole at tp = 1.
+cross entropy) is compiled too, so the fp32 logits are never written out whole at tp = 1: the norm's and the
+cross entropy's functions, not the module calls around them, for the same reason as the blocks.
 
 What stays outside the compiled graphs, by construction:
 
@@ -28,7 +29,8 @@ them for tests and the trainer's first-steps check.
 from __future__ import annotations
 
 import logging
-from typing import Optional, Sequence
+import os
+from typing import Sequence
 
 import torch
 from torch import nn
@@ -66,17 +68,34 @@ def recompiles() -> int:
     return _Recompiles.count
 
 
-def compile_chunks(chunks: Sequence[nn.Module], backend: Optional[str] = None) -> None:
-    """Compile, in place, every transformer block's forward and the last chunk's loss (``backend``: inductor by
-    default; tests use ``aot_eager`` to check the traced graphs quickly)."""
+BACKENDS = ("inductor", "aot_eager", "eager")
+
+
+def backend() -> str:
+    """``GPT_COMPILE_BACKEND``: inductor (the default: generated kernels), or aot_eager / eager, which trace the
+    same graphs and run them with torch's own kernels (the tests use aot_eager: it checks what is traced without
+    inductor's C++ build, ~20 s a graph on a 2-core CPU)."""
+    name = os.environ.get("GPT_COMPILE_BACKEND", "inductor")
+    if name not in BACKENDS:
+        raise ValueError(f"GPT_COMPILE_BACKEND must be one of {', '.join(BACKENDS)}, got {name!r}")
+    return name
+
+
+def compile_chunks(chunks: Sequence[nn.Module]) -> None:
+    """Compile, in place, every transformer block's forward and the last chunk's loss (see the module docstring)."""
     log_recompiles()
     # one graph per distinct block code path (training, evaluation, checkpointed) is normal; the limit only
     # stops a pathological case from recompiling forever
     torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, 16)
-    kwargs = {"backend": backend} if backend else {}
+    kwargs = {"backend": backend()}
     for chunk in chunks:
         for block in chunk.layers.values():
             block.forward = torch.compile(block.forward, **kwargs)
         if getattr(chunk, "last", False):
-            chunk.loss = torch.compile(chunk.loss, **kwargs)
+            # the norm and the head are modules with the strategies' hooks: they run as modules, the fp32
+            # upcast of the logits and the cross entropy compiled (at tp = 1: above it the vocabulary-parallel
+            # cross entropy is an autograd function with three all-reduces)
+            chunk.final_norm.forward = torch.compile(chunk.final_norm.forward, **kwargs)
+            if chunk.ctx.tp.size == 1:
+                chunk.cross_entropy = torch.compile(chunk.cross_entropy, **kwargs)
 

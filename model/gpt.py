@@ -64,6 +64,11 @@ class GPTChunk(nn.Module):
     def loss(self, x: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
         """Mean next-token loss over the micro-batch; logits exist only as this rank's vocabulary slice."""
         logits = self.head(self.final_norm(x))  # [s, b, V/tp]
+        return self.cross_entropy(logits, labels)
+
+    def cross_entropy(self, logits: torch.Tensor, labels: torch.Tensor) -> torch.Tensor:
+        """The mean cross entropy of this rank's vocabulary slice of the logits ``[s, b, V/tp]`` against ``labels``
+        ``[b, s]`` (upcast to fp32 inside; compiled by model/compile.py at tp = 1)."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp).mean()
 
     def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:

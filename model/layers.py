@@ -33,6 +33,13 @@ def forked(rng: RNGTracker, fn, *args, **kwargs):
         return fn(*args, **kwargs)
 
 
+@torch.compiler.disable
+def forked_checkpoint(rng: RNGTracker, fn, *args):
+    """``torch.utils.checkpoint`` of ``fn(*args)`` whose recompute replays the per-TP-rank dropout stream
+    (``RNGTracker.checkpoint_contexts``); eager under ``torch.compile``, like ``forked``."""
+    return checkpoint(fn, *args, use_reentrant=False, context_fn=rng.checkpoint_contexts)
+
+
 @dataclass
 class TPContext:
     """What a layer needs to know about tensor parallelism."""
@@ -166,7 +173,10 @@ class Attention(nn.Module):
             q = q.view(s, b, self.heads, self.head_dim)
             k, v = kv.view(s, b, 2, self.kv_heads, self.head_dim).unbind(2)
         if self.selective_checkpoint and torch.is_grad_enabled():
-            o = checkpoint(self._core, q, k, v, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
+            if self.dropout > 0 and self.training:  # the recompute must replay the tp stream's masks
+                o = forked_checkpoint(self.ctx.rng, self._core, q, k, v)
+            else:  # nothing random inside: a checkpoint region torch.compile traces
+                o = checkpoint(self._core, q, k, v, use_reentrant=False)
         else:
             o = self._core(q, k, v)
         return self.proj(o)

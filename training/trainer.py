@@ -27,6 +27,7 @@ from config import Config, to_yaml, validate_config
 from data.gpt_dataset import DATA_ORDER, Sampleable, build_datasets, get_batch
 from data.indexed import DataError, fingerprint
 from data.tokenizer import load_tokenizer
+from model.compile import recompiles
 from model.flops import flops_per_token, parameter_count
 from parallel import comm
 from parallel.launch import init_distributed, pick_device, read_launch_env
@@ -315,7 +316,8 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "comm": mesh.ledger.snapshot(), "step_time_s": window_time / window_steps,
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
                         "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time(),
-                        **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {})})
+                        **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {}),
+                        **({"recompiles": recompiles()} if engine.compiled else {})})
             window_time, window_steps = 0.0, 0
         if sample:
             logger.log({"step": step, "quant_error": engine.dp.quant_error()})
