@@ -182,8 +182,10 @@ def _measure_memory(precision: str, stage: int) -> dict:
         torch.cuda.synchronize()
         gc.collect()
         held = torch.cuda.memory_allocated() - before
+        working = getattr(engine.dp, "working", None)  # (stage 0 bf16/fp32 has no working buffers)
         out = {"allocator": held, "tensors": engine.dp.memory(),
-               "estimate": model_state_bytes(cfg, engine.mesh.layout, 0), "working_now": engine.dp.working.now,
+               "estimate": model_state_bytes(cfg, engine.mesh.layout, 0),
+               "working_now": working.now if working is not None else 0,
                "held": held_between_steps(cfg, engine.mesh.layout, 0)}
         del engine
     gc.collect()
