@@ -227,6 +227,7 @@ class Checkpointer:
                 "model": model_record(self.cfg.model),
                 "layout": self._layout(), "data": self.data_fingerprint,
                 "fp8": self.engine.dp.fp8_state() if self.engine.fp8_scaling is not None else None,
+                "qwd_reference": getattr(self.engine.dp, "reference_kind", lambda: None)(),
                 "time": time.time(), "torch": torch.__version__}
 
     # -- save -------------------------------------------------------------------------------------
@@ -407,7 +408,10 @@ class Checkpointer:
         problems = [p for p in comm.all_gather_object(problem, self.world) if p]
         if problems:
             raise CheckpointError(problems[0])
-        self.engine.dp.after_load(**({"reference_loaded": True} if loaded_reference else {}))
+        # what the references mean (parallel/zero/sharded.py reference_kind); checkpoints from before the key: stage 3
+        # saved them with the last step's differences pending (right after a step), stages 1-2 applied
+        kind = meta.get("qwd_reference") or ("pending" if zero.get("stage") == 3 else "applied")
+        self.engine.dp.after_load(**({"reference_loaded": True, "reference_kind": kind} if loaded_reference else {}))
         if with_optimizer:
             self._restore_counters(meta, rng)
             self._say_precision_change(meta, path)

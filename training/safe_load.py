@@ -15,7 +15,7 @@ import importlib
 import pickle
 import re
 from pathlib import Path
-from typing import Any, Dict, List, Optional, Tuple
+from typing import Any, Dict, List, Optional, Sequence, Tuple
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -120,6 +120,16 @@ def _check_metadata(metadata: Any, file: Path) -> None:
         if not isinstance(md, TensorStorageMetadata):
             raise CheckpointError(f"{file}: entry {_shown(str(key))} is a {type(md).__name__}, not a tensor "
                                   "(our checkpoints hold only tensors)")
+    for key, md in metadata.state_dict_metadata.items():  # sizes any reader may allocate from
+        size = tuple(md.size)
+        if any(not isinstance(n, int) or n < 0 for n in size):
+            raise CheckpointError(f"{file}: tensor {_shown(str(key))} has size {_shown(str(size))}")
+        for chunk in md.chunks:
+            offsets, sizes = tuple(chunk.offsets), tuple(chunk.sizes)
+            if len(offsets) != len(size) or len(sizes) != len(size) or any(
+                    o < 0 or n < 0 or o + n > d for o, n, d in zip(offsets, sizes, size)):
+                raise CheckpointError(f"{file}: tensor {_shown(str(key))} of size {size} has a piece at "
+                                      f"{_shown(str(offsets))} of size {_shown(str(sizes))}, outside it")
     for info in metadata.storage_data.values():
         rel = getattr(info, "relative_path", None)
         if not isinstance(rel, str) or not rel or rel != Path(rel).name or rel.startswith("."):
@@ -145,12 +155,23 @@ class SafeFileSystemReader(dcp.FileSystemReader):
         return metadata
 
 
+def check_sizes(metadata: Metadata, expected: Dict[str, Sequence[int]], file: Path) -> None:
+    """Every tensor of ``expected`` (name -> global shape this model has) that the metadata holds has that size there:
+    CheckpointError naming the first that has not, before anything is allocated or read (a metadata file can claim
+    any size: a re-hashed one claimed 4 TB)."""
+    for key, shape in expected.items():
+        md = metadata.state_dict_metadata.get(key)
+        if md is not None and tuple(md.size) != tuple(shape):
+            raise CheckpointError(f"{file}: tensor {key} is {tuple(md.size)} there, this model's is {tuple(shape)} "
+                                  "(a checkpoint of another model, or a damaged one)")
+
+
 def load_dcp(state: Dict[str, torch.Tensor], path: Path, no_dist: bool = False) -> None:
     """``dcp.load`` of a checkpoint directory through :class:`SafeFileSystemReader` (every DCP load of the
-    project goes through here); a refused metadata file raises its one-line CheckpointError before DCP starts
-    (on every rank: each reads the same file)."""
+    project goes through here); a refused metadata file, or one whose sizes are not those of ``state``'s (global)
+    tensors, raises its one-line CheckpointError before DCP starts (on every rank: each reads the same file)."""
     reader = SafeFileSystemReader(str(path))
-    reader.read_metadata()
+    check_sizes(reader.read_metadata(), {k: tuple(v.shape) for k, v in state.items()}, Path(path) / ".metadata")
     dcp.load(state, storage_reader=reader, no_dist=no_dist)
 
 

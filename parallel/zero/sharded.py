@@ -548,15 +548,35 @@ class ZeroDataParallel:
     def set_optimizer_steps(self, steps: int) -> None:
         self.optimizer_steps = steps
 
+    def reference_kind(self) -> Optional[str]:
+        """qWD: what this rank's ``weight_reference`` (``checkpoint_state``) holds now, recorded in a checkpoint's
+        meta.json so that any stage resumes it: ``"applied"``, the weights the next forward runs on (stages 1-2:
+        the post-step gather added the step's differences; stage 3 once a forward since the step, a validation
+        pass for one, gathered them and kept the secondary shards), or ``"pending"`` (stage 3 right after a step:
+        the weights the last forward ran on, the step's differences not yet sent). None without qWD."""
+        if not self.weight_delta:
+            return None
+        if self.stage < 3:
+            return "applied"
+        kept = {u.secondary_valid for u in self.units}
+        if len(kept) > 1:  # a forward is all or none of a rank's units between two steps
+            raise RuntimeError("qWD: some units were gathered since the optimizer step and others not")
+        return "applied" if kept == {True} else "pending"
+
     @torch.no_grad()
-    def after_load(self, reference_loaded: bool = False) -> None:
+    def after_load(self, reference_loaded: bool = False, reference_kind: str = "applied") -> None:
         """Master shards were loaded: refresh the compute-dtype parameters from them.
 
-        qWD: with the reconstructed weights loaded too (``reference_loaded``: a checkpoint of a qWD run), every
-        rank's copy of them is rebuilt exactly (stages 1-2: the full parameters; stage 3: the secondary
-        shards), so the run continues as if never stopped; without them the next gather is exact, as at the
-        start. Stages 1-2 with qwZ (no qWD): the parameters are the quantized gather of the master, as after
-        every step."""
+        qWD: with the reconstructed weights loaded too (``reference_loaded``: a checkpoint of a qWD run, of any stage),
+        every rank's copy of them is rebuilt exactly, so the run continues as if never stopped; without them the next
+        gather is exact, as at the start. ``reference_kind`` (``reference_kind`` of the saving run): ``"applied"``,
+        they are the weights the next forward runs on (stages 1-2: the full parameters; stage 3: the secondary
+        shards, marked valid so that forward gathers them inside the node and sends no differences); ``"pending"``,
+        the step's differences are still to be added (stage 3: the next forward's gather adds them, as after any
+        step; stages 1-2: the post-step gather of the differences runs now). Stages 1-2 with qwZ (no qWD): the
+        parameters are the quantized gather of the master, as after every step."""
+        if reference_kind not in ("applied", "pending"):
+            raise ValueError(f"qWD reference kind must be applied or pending, got {reference_kind!r}")
         quantized = self._quantized_step_gather()
         for u in self.units:  # (stages 1-2 qWD with the reference loaded: the shard holds that reference)
             if u.shard is not u.master and not (quantized and self.weight_delta and reference_loaded):
@@ -578,6 +598,10 @@ class ZeroDataParallel:
                     comm.all_gather(full, u.reference.clone(), self.mesh.dp)
                     n = u.secondary.numel()
                     u.secondary.copy_(full[self.hpz.rank * n:(self.hpz.rank + 1) * n])
+                    u.secondary_valid = reference_kind == "applied"
+        if quantized and self.weight_delta and reference_loaded and reference_kind == "pending":
+            for work in [self._step_gather(u) for u in self.units]:  # a stage-3 checkpoint: its step's differences
+                work.wait()
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
         """Every parameter's (DP-mean) gradient, gathered from the shards: a collective over DP, for tests."""
