@@ -140,8 +140,10 @@ def _check_device(x: torch.Tensor, tokens: int, in_features: int, out_features: 
 
 class _Fp8Linear(torch.autograd.Function):
     @staticmethod
-    def forward(ctx, x, weight, bias, states: Fp8States, tp: Group, sp_gather: bool, emulate: bool,
+    def forward(ctx, x, weight, bias, qw, sw, states: Fp8States, tp: Group, sp_gather: bool, emulate: bool,
                 out_dtype: torch.dtype, record: bool):
+        # qw, sw: the weight's E4M3 cast and scale, made by the caller (once a step where the step's copy is kept);
+        # ``weight`` itself is here for its gradient
         in_features = x.shape[-1]
         qx, sx = states.input.cast(x, tp, record=record)
         if sp_gather:
@@ -151,7 +153,6 @@ class _Fp8Linear(torch.autograd.Function):
             qx = gathered
         lead = qx.shape[:-1]
         qx2 = qx.reshape(-1, in_features)
-        qw, sw = states.weight.cast(weight, tp, record=record)
         y = _mm(qx2, sx, qw.t(), sw, out_dtype, emulate)
         if bias is not None:
             y = y + bias.to(out_dtype)
@@ -182,7 +183,7 @@ class _Fp8Linear(torch.autograd.Function):
             grad_w = _mm(qg.t(), sg, qx2, sx, torch.float32, ctx.emulate).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             grad_b = g2.float().sum(0).to(ctx.bias_dtype)
-        return grad_x, grad_w, grad_b, None, None, None, None, None, None
+        return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 
 def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tensor], states: Fp8States, tp: Group,
@@ -202,4 +203,5 @@ def fp8_linear(x: torch.Tensor, weight: torch.Tensor, bias: Optional[torch.Tenso
         _check_device(x, tokens, weight.shape[1], weight.shape[0])
     # a forward without autograd (validation, generation) leaves the delayed-scaling amaxes alone
     record = torch.is_grad_enabled()
-    return _Fp8Linear.apply(x, weight, bias, states, tp, sp_gather, emulate, compute_dtype(x), record)
+    qw, sw = states.weight_operand(weight, tp, record)
+    return _Fp8Linear.apply(x, weight, bias, qw, sw, states, tp, sp_gather, emulate, compute_dtype(x), record)

@@ -49,6 +49,7 @@ the tensors cast (moved on first use, and by :meth:`Fp8Scaling.attach` to the we
 """
 from __future__ import annotations
 
+import contextlib
 from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
@@ -174,6 +175,20 @@ class Fp8States:
         self.input = ScaleState(cfg, "input", device)
         self.weight = ScaleState(cfg, "weight", device)
         self.grad = ScaleState(cfg, "grad", device)
+        self.keep_weight = False
+        """Within a training step (``Fp8Scaling.step_copies``): the weight's first cast is kept and reused."""
+        self.weight_copy: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+
+    def weight_operand(self, weight: torch.Tensor, tp: Group, record: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The weight's E4M3 cast and its scale: the step's copy when one is kept (the weights change only at the
+        optimizer step, so every micro-batch's cast is the first one's, bit for bit, and so is the amax it records
+        under delayed scaling), else a fresh cast."""
+        if self.weight_copy is not None:
+            return self.weight_copy
+        q, s = self.weight.cast(weight, tp, record=record)
+        if self.keep_weight:
+            self.weight_copy = (q, s)
+        return q, s
 
     def roles(self) -> Iterator[Tuple[str, ScaleState]]:
         for r in ROLES:
@@ -250,6 +265,19 @@ class Fp8Scaling:
                 found[name] = states
         self.states = {n: found[n] for n in sorted(found)}
         return self
+
+    @contextlib.contextmanager
+    def step_copies(self) -> Iterator[None]:
+        """Within: each FP8 linear's weight is cast once, at its first forward, and that E4M3 copy serves every
+        micro-batch's forward and backward (Transformer Engine's weight caching; ``Engine.forward_backward`` holds
+        it around the step's micro-batches). Dropped at the exit: the next step's weights are new."""
+        for st in self.states.values():
+            st.keep_weight, st.weight_copy = True, None
+        try:
+            yield
+        finally:
+            for st in self.states.values():
+                st.keep_weight, st.weight_copy = False, None
 
     def ready(self) -> bool:
         """Whether every scale has its first value (always under current scaling; under delayed scaling after the

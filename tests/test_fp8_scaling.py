@@ -467,3 +467,43 @@ def test_forward_without_autograd_leaves_delayed_amaxes_alone():
         assert torch.equal(getattr(states, r).pending, p), r
     fp8_linear(100 * torch.randn(4, 2, 16), w, None, states, tp, sp_gather=False, emulate=False)
     assert states.input.pending > 10 * before["input"], "a training forward does record"
+
+
+def _weight_cast_worker(keep: bool, stage: int):
+    """Losses of 3 steps of 4 micro-batches, and how often each step cast an FP8 linear's weight."""
+    import contextlib
+
+    from fp8.scaling import Fp8Scaling, ScaleState
+    from tests.parallel_utils import batch_fn, build_engine, tiny_config
+
+    if not keep:  # the reference: every micro-batch casts the weight afresh, as before the step's copy
+        Fp8Scaling.step_copies = lambda self: contextlib.nullcontext()
+    casts = {"n": 0}
+    original = ScaleState.cast
+
+    def counting(self, x, tp, record=True):
+        casts["n"] += self.role == "weight"
+        return original(self, x, tp, record)
+
+    ScaleState.cast = counting
+    engine = build_engine(tiny_config("precision=fp8", "train.global_batch_size=8", "train.micro_batch_size=2",
+                                      f"zero.stage={stage}"))
+    linears = len(engine.fp8_scaling.states)
+    out = []
+    for step in range(3):
+        casts["n"] = 0
+        loss = engine.train_step(batch_fn(engine, step))["loss"]
+        out.append((loss, casts["n"] / linears))
+    return out
+
+
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_each_weight_is_cast_once_a_step_and_trains_as_before(stage):
+    """Within a step the weights do not change: the first micro-batch's E4M3 cast serves all four (stages 0-2; stage 3
+    gathers weights per module and casts them per micro-batch, keeping no copy of the whole model), with the same
+    losses, bit for bit, as casting every micro-batch."""
+    kept = run_world(_weight_cast_worker, 1, True, stage)[0]
+    fresh = run_world(_weight_cast_worker, 1, False, stage)[0]
+    assert [loss for loss, _ in kept] == [loss for loss, _ in fresh]
+    assert all(n == 4 for _, n in fresh), fresh  # one cast per micro-batch
+    assert all(n == (1 if stage < 3 else 4) for _, n in kept), kept

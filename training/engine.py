@@ -97,8 +97,13 @@ class Engine:
         comm.mark("forward_backward")
         self.dp.zero_grad()
         num_mb = self.mesh.layout.num_microbatches
-        losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
-                                 dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
+        # FP8: each weight cast once for the step's micro-batches (fp8/scaling.py step_copies), where every rank holds
+        # the weights anyway (ZeRO-3 gathers them per module: a copy of all would undo its sharding)
+        keep = self.fp8_scaling is not None and self.cfg.zero.stage < 3
+        copies = self.fp8_scaling.step_copies() if keep else contextlib.nullcontext()
+        with copies:
+            losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
+                                     dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
         comm.mark("finish_grads")
         self.dp.finish_grads()
         if self.fp8_scaling is not None:
