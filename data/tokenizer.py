@@ -284,6 +284,69 @@ def find_tokenizer(name: str, override: Optional[str] = None) -> Optional[Path]:
     return None
 
 
+def _repo_path(name: str) -> Optional[Path]:
+    """``name`` as given when something is there, else relative to the repository root; None otherwise."""
+    repo = Path(__file__).resolve().parents[1]
+    for candidate in (Path(name), repo / name):
+        if candidate.exists():
+            return candidate
+    return None
+
+
+def trained_with(config: Any, data: Any) -> list[tuple[str, str]]:
+    """What still tells, by content, which tokenizer a checkpoint was trained with: ``(where, digest)`` of the
+    tokenizer its config's ``data.tokenizer`` names, where that path still holds one, and of the tokenizer record
+    (``data/indexed.py``, version 3) of each data file its run read (meta.json's ``data.files``) whose ``.idx`` is
+    still the one it read (the recorded sha256). ``config`` and ``data`` are meta.json's ``config`` and ``data``;
+    whatever is missing, unreadable or of the wrong type is skipped (these are clues, not inputs)."""
+    from data.indexed import IndexedDataset
+
+    found: list[tuple[str, str]] = []
+    section = config.get("data") if isinstance(config, dict) else None
+    name = section.get("tokenizer") if isinstance(section, dict) else None
+    path = find_tokenizer(name) if isinstance(name, str) and name.strip() else None
+    if path is not None:
+        try:
+            found.append((f"its data.tokenizer {name}", load_tokenizer(str(path)).digest))
+        except (DataError, OSError):
+            pass
+    files = data.get("files") if isinstance(data, dict) else None
+    for entry in files if isinstance(files, list) else []:
+        prefix = entry.get("path") if isinstance(entry, dict) else None
+        content = entry.get("content") if isinstance(entry, dict) else None
+        recorded = content.get("idx_sha256") if isinstance(content, dict) else None
+        where = _repo_path(prefix + ".idx") if isinstance(prefix, str) and prefix else None
+        if where is None or not isinstance(recorded, str):
+            continue
+        try:
+            h = hashlib.sha256()
+            with open(where, "rb") as f:
+                for block in iter(lambda: f.read(1 << 22), b""):
+                    h.update(block)
+            if h.hexdigest() != recorded:
+                continue  # not the data the run read any more
+            record = IndexedDataset(str(where)[:-len(".idx")]).tokenizer_info
+        except (DataError, OSError, ValueError):
+            continue
+        if record is not None:
+            found.append((f"the tokenizer that made its data {prefix} ({record['name']!r})", record["digest"]))
+    return found
+
+
+def check_trained_with(tok: Tokenizer, config: Any, data: Any, what: str, setting: str) -> bool:
+    """Refuse ``tok`` (given as ``setting``, e.g. ``--tokenizer``) for a checkpoint (``what``) trained with another
+    tokenizer, as training refuses data made with another one: a :class:`DataError` of one line naming both when a
+    record of :func:`trained_with` has another digest. Compared by content: the same files moved or copied pass.
+    Returns whether anything could be compared (False: nothing left tells which tokenizer it was)."""
+    found = trained_with(config, data)
+    for where, digest in found:
+        if digest != tok.digest:
+            raise DataError(f"{setting} {tok.path} is not the tokenizer {what} was trained with: {where} is "
+                            f"another (digest {digest[:12]}... vs {tok.digest[:12]}...); give that tokenizer "
+                            "(a copy anywhere will do)")
+    return bool(found)
+
+
 def _first_line(err: BaseException) -> str:
     """An exception's message on one line (its first), or its class name when it has none."""
     text = str(err).strip()

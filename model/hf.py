@@ -66,6 +66,7 @@ HF_INTS = {  # config.json key: (required, the setting it becomes, its largest v
     "max_position_embeddings": (False, "model.max_seq_len", MAX_SEQ_LEN),
 }
 HF_BOOLS = ("tie_word_embeddings", "attention_bias", "mlp_bias", "use_sliding_window")
+HF_STRINGS = ("model_type", "hidden_act")  # names looked up in tables: a list or mapping there is refused by key
 HF_POSITIVE_NUMBERS = {"rms_norm_eps": 1.0, "rope_theta": math.inf}  # key: exclusive upper bound
 
 
@@ -267,6 +268,16 @@ def field_problems(cfg: Mapping[str, Any]) -> List[str]:
         value = cfg.get(key)
         if value is not None and not isinstance(value, bool):
             problems.append(f"{key}={_json(value)} is not true or false")
+    for key in HF_STRINGS:
+        value = cfg.get(key)
+        if value is not None and not isinstance(value, str):
+            problems.append(f"{key}={_json(value)} is not a string")
+    for key in HF_ROPE_KEYS:
+        rope = cfg.get(key)
+        for name in ("rope_type", "type"):
+            value = rope.get(name) if isinstance(rope, dict) else None
+            if value is not None and not isinstance(value, str):
+                problems.append(f"{key}.{name}={_json(value)} is not a string")
     numbers = [(key, cfg.get(key), most) for key, most in HF_POSITIVE_NUMBERS.items()]
     numbers += [(f"{key}.rope_theta", cfg[key].get("rope_theta"), math.inf) for key in HF_ROPE_KEYS
                 if isinstance(cfg.get(key), dict)]
@@ -435,6 +446,23 @@ def to_hf(ours: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict
     return out
 
 
+def non_finite(t: torch.Tensor) -> Optional[str]:
+    """``"non-finite values (n NaN, m inf of N)"`` when a floating-point tensor holds NaN or inf, else None."""
+    if not t.is_floating_point() or bool(torch.isfinite(t).all()):
+        return None
+    return f"non-finite values ({int(torch.isnan(t).sum())} NaN, {int(torch.isinf(t).sum())} inf of {t.numel()})"
+
+
+def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> Optional[Tuple[str, str]]:
+    """(name, what) of the first tensor, in order, holding NaN or inf (:func:`non_finite`); None when all are
+    finite."""
+    for name, t in tensors.items():
+        bad = non_finite(t)
+        if bad:
+            return name, bad
+    return None
+
+
 def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """Our global fp32 tensors from Hugging Face tensors, every name and shape checked against the settings first, and
     every value finite (a NaN or inf weight is refused by name: training from it could only diverge).
@@ -453,12 +481,9 @@ def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict
         if tuple(hf[k].shape) != shape:
             raise HFError(f"{k} has shape {tuple(hf[k].shape)}, config.json implies {shape}")
     for k in [*shapes, *(["lm_head.weight"] if tied and "lm_head.weight" in hf else [])]:
-        t = hf[k]
-        if t.is_floating_point() and not bool(torch.isfinite(t).all()):
-            nan = int(torch.isnan(t).sum())
-            inf = int(torch.isinf(t).sum())
-            raise HFError(f"{k} holds non-finite values ({nan} NaN, {inf} inf of {t.numel()}): the weights are "
-                          "broken, nothing to train from")
+        bad = non_finite(hf[k])
+        if bad:
+            raise HFError(f"{k} holds {bad}: the weights are broken, nothing to train from")
     if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
         raise HFError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     grouped: Dict[str, Dict[Any, torch.Tensor]] = {}

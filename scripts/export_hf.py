@@ -20,9 +20,16 @@ and must encode a few probe texts as ours does, else the export is refused (tran
 tokenizer in code as byte-level BPE: a sentencepiece tokenizer cannot travel as Qwen2). A model the family
 cannot express (``model.activation=gelu``, ``model.norm=layernorm``, biases Qwen2 or Mistral lack) is refused
 with one line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
-The export is written into a temporary directory and moved into ``DIR`` only when complete, so a failed
-export (bad checkpoint or tokenizer, full disk) leaves ``DIR`` as it was, a previous export included;
-``--force`` replaces the previous export's files and leaves other files in ``DIR`` alone.
+The export is written into a temporary directory beside ``DIR`` and swapped in only when complete (the previous
+``DIR`` renamed aside, the new one renamed in, the previous one removed), so a failed export (bad checkpoint or
+tokenizer, full disk) leaves ``DIR`` as it was, a previous export included, and a ``--force`` export leaves
+``DIR`` holding exactly what it wrote, nothing of the previous export (no weight shards, no tokenizer files of
+another kind of tokenizer). ``--force`` replaces only a previous export: a directory holding anything else
+(notes, a checkpoint, a repository) is refused naming it, as are the root, a home directory, this repository,
+the current directory and the checkpoint's. Checkpoint weights holding NaN or inf are refused naming the first
+such tensor (as ``--dtype float16`` values beyond its range are), and so is a tokenizer other than the one the
+checkpoint was trained with, compared by content as training compares the data's tokenizer (the tokenizer at its
+data.tokenizer, the tokenizer records of the data it read; a copy anywhere passes).
 """
 from __future__ import annotations
 
@@ -41,12 +48,17 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 
 import torch  # noqa: E402
 
-from model.hf import ARCHITECTURES, HFError, export_problems, hf_config, hf_model_type, model_config, to_hf  # noqa: E402
+from model.hf import (ARCHITECTURES, HFError, export_problems, first_non_finite, hf_config, hf_model_type,  # noqa: E402
+                      model_config, to_hf)
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
-WEIGHT_FILES = re.compile(r"^(model(-\d{5}-of-\d{5})?\.safetensors|model\.safetensors\.index\.json)$")
+EXPORT_FILES = re.compile(r"^(config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
+                          r"model\.safetensors\.index\.json|tokenizer\.model|tokenizer\.json|tokenizer_config\.json|"
+                          r"special_tokens_map\.json|\.export_hf-.*)$")
+"""Every name an export writes (and the staging directories of an interrupted export by an earlier version,
+which wrote them inside the export): --force replaces only a directory holding nothing else."""
 
 
 def parse_size(text: str) -> int:
@@ -59,22 +71,37 @@ def parse_size(text: str) -> int:
 
 # ---- the checkpoint -----------------------------------------------------------------------------------------
 
-def read_model_tensors(step_dir: Path) -> Dict[str, torch.Tensor]:
-    """Every ``model.<name>`` tensor of a checkpoint, whole (global shape), read in this process without a
-    process group; names without the ``model.`` prefix."""
-    from torch.distributed.checkpoint.metadata import TensorStorageMetadata
+def model_shapes(m) -> Dict[str, Tuple[int, ...]]:
+    """``model.<name>`` -> the global shape of every parameter a checkpoint of model config ``m`` holds (the model
+    built on the meta device: shapes only)."""
+    from model.gpt import GPTChunk
+    from model.layers import TPContext
+    from parallel.comm import Group, Ledger
 
+    tp = Group("tp", None, [0], 0, "intra", Ledger())
+    with torch.device("meta"):
+        chunk = GPTChunk(m, TPContext(tp, False, rng=None), range(m.n_layers), first=True, last=True)  # type: ignore
+    return {f"model.{name}": tuple(p.shape) for name, p in chunk.named_parameters()}
+
+
+def read_model_tensors(step_dir: Path, shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
+    """Every ``model.<name>`` tensor of a checkpoint, whole (global shape), read in this process without a
+    process group; names without the ``model.`` prefix. ``shapes`` (``model_shapes`` of its config): what the
+    metadata must say of them before anything is allocated (a re-hashed metadata file can claim any size)."""
     import warnings
 
-    from training.safe_load import load_dcp, read_dcp_metadata  # nothing in the files runs
+    from training.safe_load import check_sizes, load_dcp, read_dcp_metadata  # nothing in the files runs
 
     try:
         metadata = read_dcp_metadata(step_dir)
+        check_sizes(metadata, shapes, step_dir / ".metadata")
     except CheckpointError as e:
         raise HFError(str(e)) from None
-    state = {key: torch.empty(md.size, dtype=md.properties.dtype)
-             for key, md in metadata.state_dict_metadata.items()
-             if key.startswith("model.") and isinstance(md, TensorStorageMetadata)}
+    extra = sorted(k for k in metadata.state_dict_metadata if k.startswith("model.") and k not in shapes)
+    if extra:
+        raise HFError(f"{step_dir / '.metadata'}: holds {extra[0]}, which this model (its meta.json) has not")
+    state = {key: torch.empty(shape, dtype=metadata.state_dict_metadata[key].properties.dtype)
+             for key, shape in shapes.items() if key in metadata.state_dict_metadata}
     if not state:
         raise HFError(f"checkpoint {step_dir} holds no model.* tensors")
     with warnings.catch_warnings():  # "assuming the intent is to load in a single process": it is
@@ -132,6 +159,8 @@ def resolve_tokenizer(name: str, override: str | None) -> Path:
     """The tokenizer: --tokenizer, or the checkpoint's data.tokenizer (as given, or under the repo); a sentencepiece
     model, a ``tokenizer.json`` or a directory holding one."""
     from data.tokenizer import find_tokenizer
+    if not override and not name.strip():
+        raise HFError("the checkpoint names no data.tokenizer: pass --tokenizer PATH (or --no-tokenizer)")
     found = find_tokenizer(name, override)
     if found is not None:
         return found
@@ -151,6 +180,23 @@ def check_tokenizer(path: Path, vocab_size: int):
         raise HFError(f"tokenizer {path} has {tok.vocab_size} tokens but the model's vocabulary has "
                       f"{vocab_size} rows")
     return tok
+
+
+def check_trained(tok, meta: Dict[str, Any], step_dir: Path, override: str | None) -> None:
+    """HFError when ``tok`` is not the tokenizer the checkpoint was trained with, compared by content as training
+    compares the data's tokenizer (``data/tokenizer.py`` ``check_trained_with``); where nothing is left to compare
+    with, a ``--tokenizer`` is taken on trust and stderr says so."""
+    from data.indexed import DataError
+    from data.tokenizer import check_trained_with
+
+    try:
+        checked = check_trained_with(tok, meta["config"], meta.get("data"), f"checkpoint {step_dir}",
+                                     "--tokenizer" if override else "data.tokenizer")
+    except DataError as e:
+        raise HFError(str(e)) from None
+    if not checked and override:
+        print(f"[export] note: nothing left tells which tokenizer {step_dir} was trained with (its data.tokenizer "
+              f"is not found, its data records none): --tokenizer {override} is taken on trust", file=sys.stderr, flush=True)
 
 
 def write_tokenizer(tok, out: Path, max_positions: int) -> Tuple[int | None, int]:
@@ -242,15 +288,48 @@ def _always_prefix_a_space(model_file: Path, tokenizer_json: Path) -> bool:
     return True
 
 
+def check_output(out: Path, force: bool, step_dir: Path) -> Path:
+    """The directory to write the export to: ``out``, a symbolic link to a directory followed. HFError when it
+    cannot be one (a file, under a file), is not empty without ``force``, or with ``force`` is not a previous
+    export: ``--force`` replaces the whole directory, so one holding anything an export does not write (notes, a
+    checkpoint, a repository) or that is a place no export belongs (the root, a home directory, the repository, the
+    current directory or one above it, the checkpoint's) is refused, naming what it holds."""
+    for parent in out.absolute().parents:  # the nearest one that exists must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise HFError(f"--output {out}: {parent} is not a directory")
+            break
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--output {out} exists and is not a directory")
+    real = Path(os.path.realpath(out))
+    places = {Path("/"): "the root directory", Path(os.path.realpath(os.path.expanduser("~"))): "a home directory",
+              Path(os.path.realpath(ROOT)): "this repository", Path(os.path.realpath(Path.cwd())): "the current "
+              "directory", Path(os.path.realpath(step_dir)): "the checkpoint"}
+    for place, what in places.items():
+        if real == place or real in place.parents:
+            raise HFError(f"--output {out} " + (f"is {what}" if real == place else f"holds {what} ({place})")
+                          + ": an export replaces its --output as a whole; give a directory of its own")
+    if Path(os.path.realpath(step_dir)) in real.parents:
+        raise HFError(f"--output {out} lies inside the checkpoint {step_dir}; give a directory outside it")
+    if not real.is_dir() or not any(real.iterdir()):
+        return real
+    if not force:
+        raise HFError(f"--output {out} is not empty (pass --force to replace the export in it)")
+    foreign = sorted(p.name for p in real.iterdir() if not EXPORT_FILES.match(p.name)
+                     or (p.is_dir() and not p.name.startswith(".export_hf-")))
+    if foreign or not (real / "config.json").is_file():
+        held = f"holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which no export writes" \
+            if foreign else "has no config.json"
+        raise HFError(f"--output {out} {held}: it is not a previous export, and --force replaces the whole "
+                      "directory (move that away, or give another --output)")
+    return real
+
+
 def _staging_dir(out: Path) -> Path:
-    """An empty directory on ``out``'s file system to write the export into: inside ``out`` when it exists (the
-    files then move in one by one), else beside it (then renamed to ``out``); readable as ``out`` would be."""
-    if out.is_dir():
-        where, prefix = out, ".export_hf-"
-    else:
-        out.parent.mkdir(parents=True, exist_ok=True)
-        where, prefix = out.parent, f".{out.name}.export_hf-"
-    staging = Path(tempfile.mkdtemp(prefix=prefix, dir=where))
+    """An empty directory beside ``out`` (on its file system) to write the export into, readable as ``out``
+    would be."""
+    out.parent.mkdir(parents=True, exist_ok=True)
+    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export_hf-", dir=out.parent))
     umask = os.umask(0)
     os.umask(umask)
     os.chmod(staging, 0o777 & ~umask)  # mkdtemp creates it 0700
@@ -258,36 +337,56 @@ def _staging_dir(out: Path) -> Path:
 
 
 def _publish(staging: Path, out: Path) -> None:
-    """Move a complete export from ``staging`` into ``out``. A new ``out`` is one rename. Into an existing one, the
-    files the export replaces (its names, and every weight file of an earlier export, which would mix with these)
-    are first moved aside, then the new ones in; a failing rename puts everything back. Other files stay."""
-    if not out.exists():
+    """Move a complete export from ``staging`` to ``out``: one rename where ``out`` does not exist; else the
+    previous directory is renamed aside, the new one in, and the previous one removed, so that ``out`` holds exactly
+    this export and nothing of the previous one. Where the second rename fails the previous directory is put back."""
+    if not os.path.lexists(out):
         os.rename(staging, out)
         return
-    new = sorted(p.name for p in staging.iterdir())
-    old = sorted(p.name for p in out.iterdir() if (p.is_file() or p.is_symlink())
-                 and (WEIGHT_FILES.match(p.name) or p.name in new))
-    aside = Path(tempfile.mkdtemp(prefix=".export_hf-previous-", dir=out))
-    moved_aside: List[str] = []
-    moved_in: List[str] = []
+    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.export_hf-previous-", dir=out.parent))
+    os.rename(out, aside / out.name)
     try:
-        for name in old:
-            os.rename(out / name, aside / name)
-            moved_aside.append(name)
-        for name in new:
-            os.rename(staging / name, out / name)
-            moved_in.append(name)
+        os.rename(staging, out)
     except OSError:
-        for name in reversed(moved_in):
-            os.rename(out / name, staging / name)
-        for name in reversed(moved_aside):
-            os.rename(aside / name, out / name)
+        os.rename(aside / out.name, out)
+        aside.rmdir()
         raise
-    finally:
-        if len(moved_in) == len(new):
-            shutil.rmtree(aside, ignore_errors=True)
-        elif not any(aside.iterdir()):
-            aside.rmdir()
+    shutil.rmtree(aside, ignore_errors=True)
+
+
+def read_settings(step_dir: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
+    """(meta.json, its model settings checked by type and range as training checks them); HFError naming the key
+    otherwise. Model settings this version does not know are ignored."""
+    import dataclasses
+
+    from omegaconf import OmegaConf
+    from omegaconf.errors import OmegaConfBaseException
+
+    from config import Config, ConfigError, ModelConfig, validate_config
+
+    meta_file = step_dir / "meta.json"
+    try:
+        meta = json.loads(meta_file.read_text())
+    except (OSError, ValueError) as e:
+        raise HFError(f"{meta_file} is not readable JSON ({e.__class__.__name__}: {e})") from None
+    config = meta.get("config") if isinstance(meta, dict) else None
+    if not isinstance(config, dict) or not isinstance(config.get("model"), dict):
+        raise HFError(f"{meta_file}: no model config in it (a mapping under config.model)")
+    known = {f.name for f in dataclasses.fields(ModelConfig)}
+    settings = {k: v for k, v in config["model"].items() if k in known}
+    try:
+        cfg = OmegaConf.to_object(OmegaConf.merge(OmegaConf.structured(Config), {
+            "model": settings, "train": {"micro_batch_size": 1, "global_batch_size": 1}}))
+        validate_config(cfg)
+    except OmegaConfBaseException as e:
+        key = getattr(e, "full_key", None)
+        msg = str(e).splitlines()[0] if str(e) else e.__class__.__name__
+        raise HFError(f"{meta_file}: invalid model config ({key + ': ' if key and key not in msg else ''}{msg})") \
+            from None
+    except ConfigError as e:
+        problems = str(e).replace("invalid configuration:\n  - ", "").replace("\n  - ", "; ")
+        raise HFError(f"{meta_file}: invalid model config ({problems})") from None
+    return meta, dataclasses.asdict(cfg.model)
 
 
 def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_size: str = "5GB",
@@ -303,25 +402,30 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
         step_dir = find_checkpoint(checkpoint, "exporting")
     except CheckpointError as e:
         raise HFError(str(e)) from None
-    try:
-        meta = json.loads((step_dir / "meta.json").read_text())
-        config = meta["config"]
-        settings = config["model"]
-    except (OSError, ValueError, KeyError) as e:
-        raise HFError(f"{step_dir / 'meta.json'}: no model config in it ({e.__class__.__name__}: {e})") from None
+    meta, settings = read_settings(step_dir)
+    config = meta["config"]
     family = hf_model_type(settings, model_type)
     problems = export_problems(settings, family)
     if problems:
         raise HFError(f"cannot export {step_dir} as {ARCHITECTURES[family]}: " + "; ".join(problems))
-    if out.exists() and not out.is_dir():
-        raise HFError(f"--output {out} exists and is not a directory")
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise HFError(f"--output {out} is not empty (pass --force to write into it)")
+    out = check_output(out, force, step_dir)
     m = model_config(settings)
-    tok_file = None if no_tokenizer else resolve_tokenizer(config.get("data", {}).get("tokenizer", ""), tokenizer)
-    tok = check_tokenizer(tok_file, m.vocab_size) if tok_file is not None else None
-    tensors = to_hf(read_model_tensors(step_dir), settings)
-    tensors = {k: t.to(DTYPES[dtype]) for k, t in tensors.items()}
+    tok = None
+    if not no_tokenizer:
+        data = config.get("data")
+        name = data.get("tokenizer") if isinstance(data, dict) else None
+        tok = check_tokenizer(resolve_tokenizer(name if isinstance(name, str) else "", tokenizer), m.vocab_size)
+        check_trained(tok, meta, step_dir, tokenizer)
+    ours = read_model_tensors(step_dir, model_shapes(m))
+    broken = first_non_finite(ours)
+    if broken is not None:
+        raise HFError(f"checkpoint {step_dir}: model.{broken[0]} holds {broken[1]}: the weights are broken, "
+                      "nothing to export")
+    tensors = {k: t.to(DTYPES[dtype]) for k, t in to_hf(ours, settings).items()}
+    broken = first_non_finite(tensors)
+    if broken is not None:  # finite before: too large for the dtype
+        raise HFError(f"{broken[0]} holds values beyond {dtype}'s range ({broken[1]} as {dtype}): export with "
+                      "--dtype bfloat16 or float32")
     staging = _staging_dir(out)
     try:
         files = write_weights(tensors, staging, max_bytes)
@@ -358,7 +462,7 @@ def main(argv=None) -> int:
                          max_shard_size=args.max_shard_size, tokenizer=args.tokenizer,
                          no_tokenizer=args.no_tokenizer, force=args.force, model_type=args.model_type)
     except HFError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
         return 2
     except ImportError as e:
         print(f"error: {e.name or e} is needed to write safetensors files (pip install safetensors)",

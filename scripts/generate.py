@@ -17,7 +17,12 @@ anything data/tokenizer.py reads: a sentencepiece .model, a Hugging Face tokeniz
 a prompt is encoded as in preprocessing (a Hugging Face post-processor's bos included), without an eos the
 post-processor may append, so that the model continues it. The prompt and its continuation go to stdout,
 progress to stderr. Every bad input (a missing or empty directory, no valid checkpoint, an
-unreadable meta.json or tokenizer, bad option values) stops with one line and exit code 2.
+unreadable meta.json or tokenizer, bad option values) stops with one line and exit code 2; so do weights
+holding NaN or inf (checked once, as loaded, naming the first such tensor) and a tokenizer other than the one
+the checkpoint was trained with, compared by content (``data/tokenizer.py`` ``check_trained_with``: the
+tokenizer at the checkpoint's data.tokenizer, the tokenizer records of the data it read), as training refuses
+data made with another tokenizer. A copy of the right tokenizer anywhere passes; where nothing is left to compare
+with, a ``--tokenizer`` is used on trust and stderr says so.
 """
 from __future__ import annotations
 
@@ -143,7 +148,8 @@ def main(argv=None) -> int:
     args = p.parse_args(argv)
     check_options(args)
 
-    from data.tokenizer import load_tokenizer
+    from data.tokenizer import check_trained_with, load_tokenizer
+    from model.hf import first_non_finite
     from parallel.launch import LaunchEnv, init_distributed
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
@@ -154,18 +160,29 @@ def main(argv=None) -> int:
     if device.type == "cuda" and not torch.cuda.is_available():
         raise GenerateError("--device cuda was requested but CUDA is not available")
     path = find_checkpoint(Path(args.checkpoint), "sampling")
-    cfg = build_config(read_meta(path), args.device, path / "meta.json")
+    saved = read_meta(path)
+    cfg = build_config(saved, args.device, path / "meta.json")
     tok = load_tokenizer(str(resolve_tokenizer(cfg.data.tokenizer, args.tokenizer)))
     if tok.vocab_size > cfg.model.vocab_size:
         raise GenerateError(f"tokenizer {tok.model_path} has {tok.vocab_size} tokens but the model's vocabulary "
                             f"has {cfg.model.vocab_size} rows (model.vocab_size): not the tokenizer it was trained "
                             "with")
+    setting = "--tokenizer" if args.tokenizer else "data.tokenizer"
+    if not check_trained_with(tok, saved["config"], saved.get("data"), f"checkpoint {path}", setting) \
+            and args.tokenizer:
+        print(f"[generate] note: nothing left tells which tokenizer {path} was trained with (its data.tokenizer "
+              f"{cfg.data.tokenizer} is not found, its data records none): --tokenizer {args.tokenizer} is taken on trust",
+              file=sys.stderr, flush=True)
 
     owned = not torch.distributed.is_initialized()
     init_distributed(LaunchEnv(0, 1, 0, 1, "127.0.0.1", 0, "single"), device, cfg.parallel.timeout_s)
     try:
         engine = Engine(cfg, Mesh(make_layout(cfg, 1, 1), device))
         meta = Checkpointer(cfg, str(path.parent), engine).load(path, with_optimizer=False)
+        broken = first_non_finite({name: p.detach() for name, p in engine.params.items()})
+        if broken is not None:  # sampling would fail on NaN probabilities, or print noise
+            raise GenerateError(f"checkpoint {path}: model.{broken[0]} holds {broken[1]}: the weights are broken, "
+                                "nothing to sample from")
         print(f"[generate] {path} (step {meta['step']}), {sum(p.numel() for p in engine.params.values()) / 1e6:.2f}M "
               f"parameters on {device} ({cfg.precision})", file=sys.stderr, flush=True)
 
@@ -206,7 +223,11 @@ def cli(argv=None) -> int:
     try:
         return main(argv)
     except (GenerateError, ConfigError, DataError, CheckpointError) as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
+        return 2
+    except OSError as e:  # an input that cannot be read (permissions, a device error)
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: {e.strerror or e}{where}", file=sys.stderr)
         return 2
 
 

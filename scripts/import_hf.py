@@ -19,8 +19,11 @@ attention_bias != mlp_bias, another model_type) and bad inputs (missing director
 shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused
 unless ``--force``. config.json's fields are checked by type and range before anything else (a string
 where a number or true/false belongs, a non-positive count, ``max_position_embeddings`` above
-``config.MAX_SEQ_LEN``: one line naming the key and its value), and weights holding NaN or inf are
-refused naming the tensor.
+``config.MAX_SEQ_LEN``, a list where a name belongs such as ``"model_type": ["llama"]`` or a list as
+``rope_type``: one line naming the key and its value), and weights holding NaN or inf are refused naming the
+tensor. Every bad path is one line too: a missing one, a file where a directory belongs or the reverse, random
+bytes as config.json, weights or index, an index naming files outside DIR, a ``pytorch_model.bin`` that is not a
+state dict, and a failed write of the checkpoint.
 """
 from __future__ import annotations
 
@@ -50,6 +53,8 @@ def read_config(model_dir: Path) -> Dict[str, Any]:
     if not model_dir.is_dir():
         raise HFError(f"--model {model_dir} is not a directory")
     path = model_dir / "config.json"
+    if path.exists() and not path.is_file():
+        raise HFError(f"{path} is not a file")
     if not path.is_file():
         raise HFError(f"{path} not found (a Hugging Face model directory has a config.json)")
     try:
@@ -62,13 +67,21 @@ def read_config(model_dir: Path) -> Dict[str, Any]:
 
 
 def _load_file(path: Path) -> Dict[str, torch.Tensor]:
+    if path.exists() and not path.is_file():
+        raise HFError(f"weights file {path} is not a file")
     if not path.is_file():
         raise HFError(f"weights file {path} not found")
     try:
         if path.suffix == ".safetensors":
             from safetensors.torch import load_file
             return load_file(str(path))
-        return torch.load(path, map_location="cpu", weights_only=True)
+        tensors = torch.load(path, map_location="cpu", weights_only=True)
+        if not isinstance(tensors, dict) or not all(isinstance(k, str) and isinstance(v, torch.Tensor)
+                                                    for k, v in tensors.items()):
+            raise HFError(f"weights file {path} holds a {type(tensors).__name__}, not tensors by name (a state dict)")
+        return tensors
+    except HFError:
+        raise
     except ImportError:
         raise HFError("safetensors is needed to read .safetensors files (pip install safetensors)") from None
     except Exception as e:  # noqa: BLE001 - any unreadable file is one line naming it
@@ -83,9 +96,14 @@ def read_weights(model_dir: Path) -> Dict[str, torch.Tensor]:
         index = model_dir / index_name
         if index.is_file():
             try:
-                files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
-            except (OSError, ValueError, KeyError, AttributeError) as e:
+                weight_map = json.loads(index.read_text())["weight_map"]
+                names = list(weight_map.values())
+            except (OSError, ValueError, KeyError, TypeError, AttributeError) as e:
                 raise HFError(f"{index} has no readable weight_map ({e.__class__.__name__})") from None
+            bad = [n for n in names if not isinstance(n, str) or not n or Path(n).name != n or n in (".", "..")]
+            if bad:
+                raise HFError(f"{index}: weight_map names {json.dumps(bad[0])}, not a file name beside it")
+            files = sorted(set(names))
             tensors: Dict[str, torch.Tensor] = {}
             for name in files:
                 tensors.update(_load_file(model_dir / name))
@@ -123,9 +141,18 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
     them: DCP files under ``model.<global name>``, meta.json (with the full config), manifest.json last."""
     import torch.distributed.checkpoint as dcp
 
+    from torch.distributed.checkpoint.api import CheckpointException
+
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
-        dcp.save({f"model.{k}": t.contiguous() for k, t in tensors.items()}, checkpoint_id=str(out), no_dist=True)
+        try:
+            dcp.save({f"model.{k}": t.contiguous() for k, t in tensors.items()}, checkpoint_id=str(out),
+                     no_dist=True)
+        except CheckpointException as e:  # a write that failed (a full disk): DCP wraps the cause
+            cause = next(iter(e.failures.values()), (None, None))[0]
+            what = (f"{cause.strerror or cause}" + (f" ({cause.filename})" if cause.filename else "")
+                    if isinstance(cause, OSError) else f"{cause.__class__.__name__}: {cause}")
+            raise HFError(f"cannot write the checkpoint to {out}: {what.splitlines()[0] if what else ''}") from None
     config = to_dict(Config())
     config["model"].update(settings)
     if tokenizer is not None:
@@ -156,6 +183,11 @@ def model_yaml(settings: Dict[str, Any], out: Path, tokenizer: Path | None) -> s
 def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, Any]:
     """Convert; returns the settings (the model section) written."""
     settings = model_settings(read_config(model_dir))
+    for parent in out.absolute().parents:  # the nearest one that exists must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise HFError(f"--output {out}: {parent} is not a directory")
+            break
     if out.exists() and not out.is_dir():
         raise HFError(f"--output {out} exists and is not a directory")
     if out.is_dir() and any(out.iterdir()) and not force:
@@ -183,7 +215,11 @@ def main(argv=None) -> int:
     try:
         settings = import_model(Path(args.model), Path(args.output), force=args.force)
     except HFError as e:
-        print(f"error: {e}", file=sys.stderr)
+        print("error: " + "; ".join(line.strip() for line in str(e).splitlines() if line.strip()), file=sys.stderr)
+        return 2
+    except OSError as e:  # writing the checkpoint (a full disk, no permission, a file where a directory belongs)
+        where = f" ({e.filename})" if e.filename else ""
+        print(f"error: cannot write the checkpoint to {args.output}: {e.strerror or e}{where}", file=sys.stderr)
         return 2
     out = Path(args.output).resolve()
     print(f"[import] {args.model} -> {out} ({settings['n_layers']} layers, d_model {settings['d_model']}, "

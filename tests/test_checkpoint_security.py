@@ -20,6 +20,7 @@ import shutil
 import subprocess
 import sys
 from pathlib import Path
+from typing import Tuple
 
 import pytest
 import torch
@@ -204,3 +205,39 @@ def test_genuine_metadata_reads_as_stock_pickle_does(tmp_path, world, overrides)
     got = read_dcp_metadata(step_dir)
     assert got.state_dict_metadata == want.state_dict_metadata
     assert got.storage_data == want.storage_data and got.planner_data == want.planner_data
+
+
+def _resized(genuine: Path, tmp_path: Path, how: str) -> Tuple[Path, Path, str]:
+    """A copy of the genuine run whose .metadata claims another size for a model tensor (``how``: the tensor's own
+    size, 2**20 x its rows, or one of its pieces outside it), manifest re-hashed; returns (run, checkpoint, key)."""
+    run = tmp_path / "run"
+    shutil.copytree(genuine, run)
+    step_dir = run / "checkpoints" / STEP
+    with open(step_dir / ".metadata", "rb") as f:
+        metadata = pickle.load(f)  # our own genuine file
+    key = next(k for k in metadata.state_dict_metadata if k.startswith("model.") and k.endswith("up.weight"))
+    md = metadata.state_dict_metadata[key]
+    if how == "size":
+        md.size = torch.Size([md.size[0] * 2**20] + list(md.size[1:]))  # ~TB of floats, were it allocated
+    else:
+        chunk = md.chunks[0]
+        chunk.offsets = torch.Size([md.size[0] - 1] + list(chunk.offsets[1:]))
+    (step_dir / ".metadata").write_bytes(pickle.dumps(metadata))
+    _rehash(step_dir, ".metadata")
+    assert verify(step_dir) is None
+    return run, step_dir, key
+
+
+@pytest.mark.parametrize("how", ["size", "piece"])
+def test_metadata_claiming_other_sizes_is_refused_before_allocating(genuine, tmp_path, how, capsys):
+    """Resume, export and generate each answer one line naming the tensor, exit 2, nothing allocated from the claim."""
+    run, step_dir, key = _resized(genuine, tmp_path, how)
+    proc = _run("train.py", *MODEL, "train.max_steps=3", "checkpoint.interval=3", f"logging.run_dir={run}")
+    gen = _run(str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run), "--prompt", "The",
+               "--max-new-tokens", "2", "--device", "cpu")
+    rc = export_hf.main(["--checkpoint", str(step_dir), "--output", str(tmp_path / "hf"), "--no-tokenizer"])
+    for code, err in ((proc.returncode, proc.stderr), (gen.returncode, gen.stderr), (rc, capsys.readouterr().err)):
+        assert code == 2 and "Traceback" not in err, err
+        errors = [line for line in err.splitlines() if line.startswith("error:")]
+        assert len(errors) == 1 and key in errors[0] and ".metadata" in errors[0], err
+    assert not (tmp_path / "hf").exists()

@@ -201,6 +201,61 @@ def test_bad_paths_and_options_are_one_line_and_exit_code_2(run_dir, tmp_path, m
         assert f"{option} {value}" in error("--checkpoint", ckpt, option, value, "--device", "cpu")
     if not torch.cuda.is_available():
         assert "CUDA is not available" in error("--checkpoint", ckpt, "--device", "cuda")
+    (tmp_path / "random.bin").write_bytes(os.urandom(4096))
+    assert "is not a directory" in error("--checkpoint", str(tmp_path / "random.bin"), "--device", "cpu")
+    assert "not a valid SentencePiece model" in error("--checkpoint", ckpt, "--tokenizer", str(tmp_path / "random.bin"),
+                                                      "--device", "cpu")
+    assert "holds no tokenizer.json" in error("--checkpoint", ckpt, "--tokenizer", str(tmp_path / "empty"),
+                                              "--device", "cpu")
+    (tmp_path / "hf").mkdir()
+    (tmp_path / "hf" / "tokenizer.json").write_bytes(os.urandom(4096))
+    assert "not a tokenizers JSON file" in error("--checkpoint", ckpt, "--tokenizer", str(tmp_path / "hf"),
+                                                 "--device", "cpu")
+
+
+# ---- the weights and the tokenizer are the checkpoint's --------------------------------------------------------
+
+def test_weights_holding_nan_are_refused_naming_the_tensor(run_dir, tmp_path, monkeypatch, capfd):
+    from tests.test_hf_export import poisoned
+
+    step = run_dir / "checkpoints" / "step_00000003"
+    ckpt = poisoned(step, tmp_path / "checkpoints" / step.name, "model.layers.1.mlp.down.weight", float("nan"))
+    code, err = run_script(monkeypatch, capfd, "--checkpoint", str(ckpt), "--prompt", PROMPT, "--device", "cpu")
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"error: checkpoint {ckpt}: model.layers.1.mlp.down.weight holds non-finite values "
+                          "(1 NaN, 0 inf of "), err
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused_as_training_refuses_it(run_dir, tmp_path, monkeypatch,
+                                                                                  capfd):
+    """By content: against the tokenizer at the checkpoint's data.tokenizer, else the tokenizer its data's index
+    records; the right tokenizer copied anywhere passes; with nothing left to compare, stderr says so."""
+    from tests.test_hf_export import other_sentencepiece, with_meta
+
+    step = run_dir / "checkpoints" / "step_00000003"
+    other = str(other_sentencepiece(tmp_path / "other" / "tokenizer.model"))
+    copy = tmp_path / "copy" / "tok.model"
+    copy.parent.mkdir()
+    shutil.copyfile(ROOT / "data" / "sample" / "tokenizer.model", copy)
+
+    def sample(ckpt: Path, tokenizer: str) -> tuple:
+        return run_script(monkeypatch, capfd, "--checkpoint", str(ckpt), "--tokenizer", tokenizer, "--prompt", PROMPT,
+                          "--max-new-tokens", "2", "--device", "cpu")
+
+    code, err = sample(step, other)
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert err.startswith(f"error: --tokenizer {other} is not the tokenizer checkpoint {step} was trained with: its "
+                          "data.tokenizer data/sample/tokenizer.model is another"), err
+    moved = with_meta(step, tmp_path / "moved" / step.name, data={"tokenizer": "gone/tokenizer.model"})
+    code, err = sample(moved, other)  # the data's index still records the tokenizer that made it
+    assert code == 2 and len(err.splitlines()) == 1, (code, err)
+    assert "the tokenizer that made its data data/sample/sample_text_document ('tokenizer.model') is another" in err
+    code, err = sample(moved, str(copy))
+    assert code == 0 and "error" not in err and "note:" not in err, (code, err)
+    gone = with_meta(step, tmp_path / "gone" / step.name, data={"tokenizer": "gone/tokenizer.model"},
+                     meta={"data": None})
+    code, err = sample(gone, other)
+    assert code == 0 and f"nothing left tells which tokenizer {gone} was trained with" in err, (code, err)
 
 
 # ---- one process, whatever the layout ------------------------------------------------------------------------

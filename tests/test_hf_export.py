@@ -233,6 +233,27 @@ def test_bad_inputs_are_one_line_errors(tp2_pp2, exported, tmp_path, capsys):
     err = error("--checkpoint", broken, "--output", tmp_path / "o4")
     assert victim.name in err and "corrupted" in err
     assert not (tmp_path / "o4").exists()
+    (tmp_path / "random.bin").write_bytes(os.urandom(4096))  # a file where a directory belongs, and vice versa
+    assert "is not a directory" in error("--checkpoint", tmp_path / "random.bin", "--output", tmp_path / "o5")
+    assert f"{tmp_path / 'random.bin'} is not a directory" in error("--checkpoint", tp2_pp2, "--output",
+                                                                    tmp_path / "random.bin" / "hf")
+    assert "not a valid SentencePiece model" in error("--checkpoint", tp2_pp2, "--output", tmp_path / "o6",
+                                                      "--tokenizer", tmp_path / "random.bin")
+    assert "holds no tokenizer.json" in error("--checkpoint", tp2_pp2, "--output", tmp_path / "o6",
+                                              "--tokenizer", tmp_path / "empty")
+    for name, meta, expected in (("not_json", b"{not json", "meta.json is not readable JSON"),
+                                 ("binary", os.urandom(256), "meta.json is not readable JSON"),
+                                 ("config_list", json.dumps({"config": [1]}).encode(), "no model config in it"),
+                                 ("bad_type", None, "model.d_model: Value 'abc'")):
+        bad = tmp_path / "meta" / name / tp2_pp2.name
+        shutil.copytree(tp2_pp2, bad)
+        if meta is None:
+            doc = json.loads((bad / "meta.json").read_text())
+            doc["config"]["model"]["d_model"] = "abc"
+            meta = json.dumps(doc).encode()
+        _rewrite(bad, "meta.json", meta)
+        assert expected in error("--checkpoint", bad, "--output", tmp_path / "o7"), name
+    assert not any((tmp_path / f"o{k}").exists() for k in range(1, 8))
 
 
 def test_command_line(tp2_pp2, tmp_path):
@@ -300,16 +321,180 @@ def test_a_failed_forced_export_leaves_the_previous_export_intact(tp2_pp2, tmp_p
     assert transformers.AutoTokenizer.from_pretrained(str(out))(PROMPT).input_ids
 
 
-def test_a_forced_export_replaces_the_previous_one_and_keeps_other_files(tp2_pp2, tmp_path):
+def test_a_forced_export_holds_exactly_what_it_wrote(tp2_pp2, tmp_path):
+    """--force over a sharded export without a tokenizer: no shard, no index of the previous one remains."""
     out = tmp_path / "hf"
     assert export("--checkpoint", tp2_pp2, "--output", out, "--max-shard-size", "400KB", "--no-tokenizer") == 0
     assert (out / "model.safetensors.index.json").is_file()
-    (out / "NOTES.md").write_text("mine")
     assert export("--checkpoint", tp2_pp2, "--output", out, "--force") == 0
     assert sorted(p.name for p in out.iterdir()) == [
-        "NOTES.md", "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
+        "config.json", "generation_config.json", "model.safetensors", "special_tokens_map.json",
         "tokenizer.json", "tokenizer.model", "tokenizer_config.json"]  # no shard or index of the previous export
-    assert (out / "NOTES.md").read_text() == "mine"
-    assert not list(tmp_path.glob(".*")), "a temporary directory was left beside the export"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "a temporary directory was left beside the export"
     tokens = random_tokens(TOKENIZER_VOCAB, seed=5)
     assert_close(our_logits(tp2_pp2, tokens), hf_logits(out, tokens))
+
+
+def with_meta(step_dir: Path, dst: Path, **changes) -> Path:
+    """A copy of a checkpoint whose meta.json's config sections are updated (``data={"tokenizer": ...}``), the
+    manifest rewritten so that it verifies; ``meta={...}`` updates meta.json's top level."""
+    shutil.copytree(step_dir, dst)
+    meta = json.loads((dst / "meta.json").read_text())
+    meta.update(changes.pop("meta", {}))
+    for section, values in changes.items():
+        meta["config"][section].update(values)
+    _rewrite(dst, "meta.json", json.dumps(meta).encode())
+    return dst
+
+
+def test_a_forced_export_with_another_kind_of_tokenizer_leaves_none_of_the_previous_one(tp2_pp2, tmp_path, capsys):
+    """A sentencepiece export, then --force with a model whose tokenizer is a Hugging Face tokenizer.json: nothing of
+    the sentencepiece tokenizer stays, so AutoTokenizer loads the new tokenizer's special ids and import_hf.py takes
+    its tokenizer.json."""
+    out = tmp_path / "hf"
+    assert export("--checkpoint", tp2_pp2, "--output", out) == 0
+    assert (out / "tokenizer.model").is_file() and (out / "special_tokens_map.json").is_file()
+    bpe = ROOT / "data" / "sample" / "bpe"
+    other = with_meta(tp2_pp2, tmp_path / "bpe_ckpt" / tp2_pp2.name, data={"tokenizer": str(bpe)})
+    assert export("--checkpoint", other, "--output", out, "--force") == 0
+    assert sorted(p.name for p in out.iterdir()) == sorted(
+        ["config.json", "generation_config.json", "model.safetensors"] + [p.name for p in bpe.iterdir()])
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe_ckpt", "hf"]
+    from data.tokenizer import load_tokenizer
+
+    ours = load_tokenizer(str(bpe))
+    tok = transformers.AutoTokenizer.from_pretrained(str(out))
+    assert (tok.eos_token_id, tok.bos_token_id) == (ours.eod_id, None)
+    assert len(tok) == ours.vocab_size <= TOKENIZER_VOCAB  # no <s>/</s> added as ids beyond the model's rows
+    assert tok(PROMPT)["input_ids"] == ours.encode(PROMPT)
+    sys.path.insert(0, str(ROOT / "scripts"))
+    import import_hf
+
+    capsys.readouterr()
+    assert import_hf.main(["--model", str(out), "--output", str(tmp_path / "imported")]) == 0
+    assert (tmp_path / "imported" / "tokenizer.json").is_file()
+    assert not (tmp_path / "imported" / "tokenizer.model").exists()
+    model_yaml = (tmp_path / "imported" / "model.yaml").read_text()
+    assert f"tokenizer: {tmp_path / 'imported' / 'tokenizer.json'}" in model_yaml
+
+
+def test_force_refuses_what_is_not_a_previous_export(tp2_pp2, tmp_path, capsys, monkeypatch):
+    """--force replaces the whole directory, so anything else in it, the checkpoint's own directories and the
+    current directory are refused in one line, and nothing there changes."""
+    out = tmp_path / "hf"
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--no-tokenizer") == 0
+    (out / "NOTES.md").write_text("mine")
+    before = _snapshot(out)
+    capsys.readouterr()
+
+    def refused(output, why: str) -> None:
+        assert export("--checkpoint", tp2_pp2, "--output", output, "--force") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: --output {output} ") and why in err, err
+
+    refused(out, "holds NOTES.md, which no export writes")
+    assert _snapshot(out) == before
+    run = tmp_path / "run"  # a run directory: its checkpoint inside
+    shutil.copytree(tp2_pp2.parent, run / "checkpoints")
+    for output in (run, run / "checkpoints", run / "checkpoints" / tp2_pp2.name):
+        assert export("--checkpoint", run, "--output", output, "--force") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and "the checkpoint" in err, err
+    assert _snapshot(run / "checkpoints" / tp2_pp2.name) == _snapshot(tp2_pp2)
+    monkeypatch.chdir(out)
+    refused(Path("."), "is the current directory")
+    assert _snapshot(out) == before
+
+
+def test_a_failed_swap_puts_the_previous_export_back(tp2_pp2, tmp_path, monkeypatch, capsys):
+    out = tmp_path / "hf"
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--no-tokenizer", "--max-shard-size", "400KB") == 0
+    before = _snapshot(out)
+    real_rename = os.rename
+
+    def rename(src, dst):  # the new export cannot be moved in (after the previous one was moved aside)
+        if Path(dst) == out and ".export_hf-previous-" not in str(src):
+            raise OSError(5, "Input/output error", str(src))
+        return real_rename(src, dst)
+
+    monkeypatch.setattr(os, "rename", rename)
+    capsys.readouterr()
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--force") == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "Input/output error" in err and f"{out} is unchanged" in err, err
+    assert _snapshot(out) == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "a temporary directory was left beside the export"
+
+
+def poisoned(step_dir: Path, dst: Path, name: str, value: float) -> Path:
+    """A copy of a checkpoint with element [0, 0] of tensor ``name`` set to ``value`` (every tensor saved again with
+    DCP, the manifest rewritten), so that it verifies as a checkpoint training wrote."""
+    import torch.distributed.checkpoint as dcp
+
+    from training.checkpoint import FORMAT_VERSION, file_digest
+    from training.safe_load import load_dcp, read_dcp_metadata
+
+    import warnings
+
+    metadata = read_dcp_metadata(step_dir)
+    state = {k: torch.empty(md.size, dtype=md.properties.dtype) for k, md in metadata.state_dict_metadata.items()}
+    dst.mkdir(parents=True)
+    with warnings.catch_warnings():  # "assuming the intent is to load/save in a single process": it is
+        warnings.simplefilter("ignore", UserWarning)
+        load_dcp(state, step_dir, no_dist=True)
+        state[name].view(-1)[0] = value
+        dcp.save(state, checkpoint_id=str(dst), no_dist=True)
+    for p in step_dir.iterdir():
+        if p.name != "manifest.json" and not (dst / p.name).exists():
+            shutil.copyfile(p, dst / p.name)
+    files = {p.name: file_digest(p) for p in dst.iterdir()}
+    (dst / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}))
+    return dst
+
+
+@pytest.mark.parametrize("value,dtype,expected", [
+    (float("nan"), "float32", "error: checkpoint {ckpt}: model.layers.2.mlp.down.weight holds non-finite values "
+                              "(1 NaN, 0 inf of "),
+    (float("-inf"), "bfloat16", "error: checkpoint {ckpt}: model.layers.2.mlp.down.weight holds non-finite values "
+                                "(0 NaN, 1 inf of "),
+    (1e6, "float16", "error: model.layers.2.mlp.down_proj.weight holds values beyond float16's range "
+                     "(non-finite values (0 NaN, 1 inf of "),
+], ids=["nan", "inf", "float16_overflow"])
+def test_weights_holding_nan_or_inf_are_refused_naming_the_tensor(tp2_pp2, tmp_path, capsys, value, dtype, expected):
+    ckpt = poisoned(tp2_pp2, tmp_path / "ckpt" / tp2_pp2.name, "model.layers.2.mlp.down.weight", value)
+    capsys.readouterr()
+    assert export("--checkpoint", ckpt, "--output", tmp_path / "hf", "--dtype", dtype) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(expected.format(ckpt=ckpt)), err
+    assert not (tmp_path / "hf").exists()
+
+
+def other_sentencepiece(path: Path) -> Path:
+    """The bundled sentencepiece model with one piece's score changed: another tokenizer of the same vocabulary."""
+    from sentencepiece import sentencepiece_model_pb2
+
+    proto = sentencepiece_model_pb2.ModelProto()
+    proto.ParseFromString((ROOT / "data" / "sample" / "tokenizer.model").read_bytes())
+    proto.pieces[300].score += 1.0
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(proto.SerializeToString())
+    return path
+
+
+def test_a_tokenizer_other_than_the_checkpoints_is_refused_a_copy_is_not(tp2_pp2, tmp_path, capsys):
+    """Compared by content with the tokenizer at the checkpoint's data.tokenizer, as training compares the data's
+    tokenizer: one of the same vocabulary size but other content is refused; the same file elsewhere exports."""
+    other = other_sentencepiece(tmp_path / "other" / "tokenizer.model")
+    capsys.readouterr()
+    assert export("--checkpoint", tp2_pp2, "--output", tmp_path / "hf", "--tokenizer", other) == 2
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and err.startswith(f"error: --tokenizer {other} is not the tokenizer "), err
+    assert "data.tokenizer data/sample/tokenizer.model" in err
+    assert not (tmp_path / "hf").exists()
+    copy = tmp_path / "moved" / "tok.model"
+    copy.parent.mkdir()
+    shutil.copyfile(ROOT / "data" / "sample" / "tokenizer.model", copy)
+    assert export("--checkpoint", tp2_pp2, "--output", tmp_path / "hf", "--tokenizer", copy) == 0
+    assert "note:" not in capsys.readouterr().err
+    assert (tmp_path / "hf" / "tokenizer.model").read_bytes() == copy.read_bytes()

@@ -5,6 +5,7 @@ import contextlib
 import io
 import json
 import math
+import os
 import shutil
 import sys
 from pathlib import Path
@@ -294,6 +295,35 @@ def test_bad_inputs_are_one_line_errors(imported, tmp_path, capsys):
     before = (ckpt / "meta.json").read_text()
     assert "not empty (pass --force" in error(ckpt.parent / "llama", ckpt)
     assert (ckpt / "meta.json").read_text() == before
+    # a file where a directory belongs and the reverse, random bytes, malformed JSON: each named in one line
+    (tmp_path / "random.bin").write_bytes(os.urandom(4096))
+    assert "is not a directory" in error(tmp_path / "random.bin", tmp_path / "o")
+    under_a_file = tmp_path / "random.bin" / "o"
+    assert f"{tmp_path / 'random.bin'} is not a directory" in error(ckpt.parent / "llama", under_a_file)
+    odd = tmp_path / "odd"
+    (odd / "config.json").mkdir(parents=True)
+    assert f"{odd / 'config.json'} is not a file" in error(odd, tmp_path / "o")
+    (odd / "config.json").rmdir()
+    (odd / "config.json").write_bytes(os.urandom(512))
+    assert "config.json is not readable JSON" in error(odd, tmp_path / "o")
+    (odd / "config.json").write_text('{"model_type": "llama", ')
+    assert "config.json is not readable JSON" in error(odd, tmp_path / "o")
+    shutil.copyfile(ckpt.parent / "llama" / "config.json", noweights / "config.json")
+    (noweights / "model.safetensors").write_bytes(os.urandom(4096))
+    assert "cannot read weights file" in error(noweights, tmp_path / "o")
+    (noweights / "model.safetensors").unlink()
+    torch.save([1, 2, 3], noweights / "pytorch_model.bin")
+    assert "holds a list, not tensors by name" in error(noweights, tmp_path / "o")
+    (noweights / "pytorch_model.bin").unlink()
+    for weight_map, named in (({"a": ["x.safetensors"]}, '["x.safetensors"]'), ({"a": "../llama/model.safetensors"},
+                                                                                '"../llama/model.safetensors"')):
+        (noweights / "model.safetensors.index.json").write_text(json.dumps({"weight_map": weight_map}))
+        assert f"weight_map names {named}, not a file name beside it" in error(noweights, tmp_path / "o")
+    (noweights / "model.safetensors.index.json").write_bytes(os.urandom(256))
+    assert "has no readable weight_map" in error(noweights, tmp_path / "o")
+    (noweights / "model.safetensors.index.json").write_text('{"weight_map": {"a": "shard.safetensors"}}')
+    (noweights / "shard.safetensors").mkdir()
+    assert "shard.safetensors is not a file" in error(noweights, tmp_path / "o")
     assert not (tmp_path / "o").exists()
 
 
@@ -317,8 +347,13 @@ def test_init_from_and_load_exclude_each_other():
     ({"max_position_embeddings": 2**40}, f"max_position_embeddings={2**40} exceeds {2**20}, the largest "
                                          "model.max_seq_len"),
     ({"rope_theta": -1}, "rope_theta=-1 is not a finite number above 0"),
+    ({"model_type": ["llama"]}, 'model_type=["llama"] is not a string'),
+    ({"hidden_act": {"name": "silu"}}, 'hidden_act={"name": "silu"} is not a string'),
+    ({"rope_scaling": {"rope_type": ["llama3"], "factor": 8.0}}, 'rope_scaling.rope_type=["llama3"] is not a string'),
+    ({"rope_parameters": {"type": ["linear"], "factor": 2.0}}, 'rope_parameters.type=["linear"] is not a string'),
 ], ids=["eps_string", "tie_string", "bias_int", "layers_bool", "negative_heads", "negative_kv_heads", "float_size",
-        "positions_2e40", "negative_theta"])
+        "positions_2e40", "negative_theta", "model_type_list", "hidden_act_mapping", "rope_type_list",
+        "rope_type_v4_list"])
 def test_config_json_fields_of_a_wrong_type_or_range_are_named(imported, tmp_path, capsys, changes, expected):
     """Checked before anything else (here there are no weights at all): the key and its value, as JSON writes it."""
     _, ckpt = imported
