@@ -18,6 +18,7 @@ import typing
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
@@ -421,7 +422,12 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
             bad = [o for o in overrides if "=" not in o]
             if bad:
                 raise ConfigError(f"overrides must look like key=value, got {bad}")
-            layers.append(OmegaConf.from_dotlist(list(overrides)))
+            for o in overrides:  # one at a time: a malformed value (``key=[x``) is named with its override
+                try:
+                    layers.append(OmegaConf.from_dotlist([o]))
+                except yaml.YAMLError as e:
+                    reason = " ".join(str(getattr(e, "problem", None) or e).split())
+                    raise ConfigError(f"override {o!r} is not a valid YAML value ({reason})") from None
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
     except FileNotFoundError as e:

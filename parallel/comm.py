@@ -34,6 +34,7 @@ import contextlib
 import json
 import os
 import re
+import tempfile
 import threading
 import time
 from collections import defaultdict
@@ -42,6 +43,8 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 
 import torch
 import torch.distributed as dist
+
+from parallel.launch import LaunchError
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
         if hasattr(torch, n)}
@@ -193,6 +196,31 @@ class _Trace:
 
 
 _trace = _Trace(os.environ.get("GPT_COMM_TRACE"))
+
+
+def check_trace() -> None:
+    """With ``GPT_COMM_TRACE`` set: its directory can take this rank's trace (made if missing). Called at start-up
+    (training/trainer.py), so that a regular file or an unwritable place there is one LaunchError naming it
+    before anything is trained, not a traceback from the first step's mark."""
+    directory = _trace.directory
+    if not directory:
+        return
+    path = os.path.join(directory, f"rank{os.environ.get('RANK', '0')}.jsonl")
+    try:
+        if os.path.exists(directory) and not os.path.isdir(directory):
+            raise LaunchError(f"GPT_COMM_TRACE={directory} is a file, not a directory for the communication "
+                              "trace")
+        os.makedirs(directory, exist_ok=True)
+        if os.path.lexists(path):
+            with open(path, "a"):  # appended to by flush(); opening it changes nothing
+                pass
+        else:
+            with tempfile.TemporaryFile(dir=directory):  # can a file be made there (leaving none behind)?
+                pass
+    except OSError as e:
+        where = os.fsdecode(e.filename) if e.filename is not None else directory
+        raise LaunchError(f"GPT_COMM_TRACE={directory} cannot take the communication trace: {where}: "
+                          f"{e.strerror or e}") from None
 
 
 def mark(label: str) -> None:

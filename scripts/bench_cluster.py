@@ -54,6 +54,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Dict, List, Optional, Sequence, Tuple
 
+import _cli
 import netemu
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -481,20 +482,46 @@ def fail(message: str) -> int:
     return 2
 
 
+def check_args(args) -> None:
+    """Bad options, found before anything is set up (namespaces, runs) or run for minutes (--json is written at
+    the end): an InputError or ConfigError, one line and exit code 2 through scripts/_cli.py."""
+    _cli.at_least(args.ranks_per_node, 1, "--ranks-per-node")
+    _cli.at_least(args.repeat, 1, "--repeat")
+    _cli.at_least(args.probe_iters, 1, "--probe-iters")
+    if not args.probe_mib > 0:
+        raise _cli.InputError(f"--probe-mib must be more than 0, got {args.probe_mib}")
+    if not args.row_timeout > 0:
+        raise _cli.InputError(f"--row-timeout must be more than 0, got {args.row_timeout}")
+    unknown = [k for k in args.probe_kinds.split(",") if k not in PROBE_KINDS]
+    if unknown:
+        raise _cli.InputError(f"--probe-kinds: unknown {unknown}; known: {','.join(PROBE_KINDS)}")
+    unknown = [g for g in args.probe_groups.split(",") if g not in ("world", "inter")]
+    if unknown:
+        raise _cli.InputError(f"--probe-groups: unknown {unknown}; known: world,inter")
+    if args.json:
+        _cli.output_file(args.json, "--json")
+    if args.workdir:
+        _cli.output_dir(args.workdir, "--workdir")
+    overrides = [kv for group in args.model for kv in group]
+    if overrides:
+        _cli.load_config(None, overrides)  # "key=value" of known keys and types (model.seq_len is read here too)
+
+
 def main(argv=None) -> int:
     args = parse_args(sys.argv[1:] if argv is None else list(argv))
+    check_args(args)
     table_rows = rows_for(args.ranks_per_node)
     names = list(table_rows) if args.rows == "all" else args.rows.split(",")
     if args.skip < 1 or args.steps <= args.skip:
         return fail(f"need --steps > --skip >= 1 (got --steps {args.steps} --skip {args.skip})")
+    if not args.cleanup and any(n not in table_rows for n in names):
+        return fail(f"unknown rows {[n for n in names if n not in table_rows]}; known: {', '.join(table_rows)}")
     if os.geteuid() != 0:
         return fail("needs root (network namespaces and tc)")
     if args.cleanup:
         removed = netemu.cleanup_stale(PREFIX)
         print("removed: " + (" ".join(removed) if removed else "nothing"))
         return 0
-    if any(n not in table_rows for n in names):
-        return fail(f"unknown rows {[n for n in names if n not in table_rows]}; known: {', '.join(table_rows)}")
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
     with netemu.interrupts_raise():  # SIGTERM/SIGHUP, like SIGINT, leave through the ``with`` that removes all
@@ -514,4 +541,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli.run(main))

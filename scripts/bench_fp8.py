@@ -39,8 +39,8 @@ SAMPLE = ["data.paths=[" + str(ROOT / "data" / "sample" / "sample_text_document"
 
 
 def run(preset: str, precision: str, recompute: str, args, out: Path) -> dict:
-    run_dir = out / f"{preset}-{precision}-{recompute}"
-    cmd = [sys.executable, str(ROOT / "train.py"), "--config", str(ROOT / "configs" / f"{preset}.yaml"),
+    run_dir = out / f"{Path(preset).stem}-{precision}-{recompute}"
+    cmd = [sys.executable, str(ROOT / "train.py"), "--config", args.preset_files[preset],
            f"precision={precision}", f"model.activation_checkpointing='{recompute}'", *SAMPLE,
            f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
            f"train.global_batch_size={args.micro_batch * args.accum}", "logging.interval=2",
@@ -64,7 +64,8 @@ def run(preset: str, precision: str, recompute: str, args, out: Path) -> dict:
 
 def peer(preset: str, args, compiled: bool, float8: bool) -> dict:
     """One run of scripts/plain_gpt.py (its JSON line), or {"error": ...}."""
-    cmd = [sys.executable, str(ROOT / "scripts" / "plain_gpt.py"), "--preset", preset, "--steps", str(args.steps),
+    cmd = [sys.executable, str(ROOT / "scripts" / "plain_gpt.py"), "--preset", args.preset_files[preset],
+           "--steps", str(args.steps),
            "--warmup", str(args.warmup), "--micro-batch", str(args.micro_batch), "--accum", str(args.accum)]
     cmd += ["--compile"] * compiled + ["--float8"] * float8
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env={**os.environ, "PYTHONPATH": os.pathsep.join(
@@ -90,6 +91,17 @@ def main(argv=None) -> int:
                     help="plain PyTorch rows (compiled bf16, + torchao float8) per preset")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every trainer run")
     args = ap.parse_args(argv)
+    # bad input before the first row (each takes minutes): one line, exit code 2 (scripts/_cli.py)
+    from _cli import InputError, at_least, load_config as checked_config, preset as preset_file
+
+    args.preset_files = {name: preset_file(name, "--presets") for name in args.presets}
+    for option in ("steps", "micro_batch", "accum"):
+        at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
+    at_least(args.warmup, 0, "--warmup")
+    if args.steps <= args.warmup:
+        raise InputError(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
+    for name in args.presets:  # the overrides apply to every trainer row: known keys, right types
+        checked_config(args.preset_files[name], args.overrides, "--presets")
     try:
         import torch
 
@@ -125,7 +137,7 @@ def main(argv=None) -> int:
 
     with tempfile.TemporaryDirectory() as tmp:
         for preset in args.presets:
-            fpt = flops_per_token(load_config(str(ROOT / "configs" / f"{preset}.yaml"), []).model)
+            fpt = flops_per_token(load_config(args.preset_files[preset], []).model)
             plain, peers = None, []
             if args.peers:  # run first: their compiled bf16 is the second ratio's base for every row
                 for label, compiled, float8 in (("plain PyTorch, compiled bf16", True, False),
@@ -150,4 +162,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _cli import run as run_cli  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run_cli(main))

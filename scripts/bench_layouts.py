@@ -16,10 +16,7 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallel.layout import make_layout  # noqa: E402
-from parallel.volume import step_bytes  # noqa: E402
-from tests.dist_harness import run_world  # noqa: E402
-from tests.parallel_utils import batch_fn, build_engine, tiny_config  # noqa: E402
+from scripts._cli import at_least  # noqa: E402
 
 MODEL = ["model.n_layers=8", "model.d_model=256", "model.n_heads=8", "model.seq_len=256", "model.vocab_size=4096",
          "model.ffn_hidden=1024", "train.micro_batch_size=2", "train.global_batch_size=16"]
@@ -37,6 +34,8 @@ LAYOUTS = [
 
 
 def worker(overrides, steps):
+    from tests.parallel_utils import batch_fn, build_engine, tiny_config
+
     engine = build_engine(tiny_config(*overrides))
     times = []
     for step in range(steps):
@@ -56,6 +55,13 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("--ranks-per-node", type=int, default=2)
     args = ap.parse_args()
+    at_least(args.steps, 2, "--steps")  # the first step is left out of the median
+    at_least(args.ranks_per_node, 1, "--ranks-per-node")
+    from parallel.layout import make_layout  # torch and the model: after the options are checked
+    from parallel.volume import step_bytes
+    from tests.dist_harness import run_world
+    from tests.parallel_utils import tiny_config
+
     groups = ["tp", "pp", "dp", "embedding"]
     print(f"model: {' '.join(MODEL)}  fp32, CPU/gloo, ranks_per_node={args.ranks_per_node}")
     head = f"{'layout':<12} {'ranks':>5} {'step s':>7} | " + " | ".join(f"{g + ' MiB cnt/ana':>19}" for g in groups)
@@ -77,4 +83,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -29,18 +29,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-import torch  # noqa: E402
-
-from config import load_config  # noqa: E402
-from data.gpt_dataset import build_datasets, get_batch  # noqa: E402
-from model.flops import flops_per_token  # noqa: E402
-from model.gpt import build_chunks  # noqa: E402
-from model.layers import TPContext  # noqa: E402
-from parallel.comm import Group, Ledger  # noqa: E402
-from parallel.optim_rules import COMPUTE_DTYPES, build_optimizer  # noqa: E402
-from parallel.random import RNGTracker  # noqa: E402
-from training.metrics import peak_tflops  # noqa: E402
-from training.trainer import run  # noqa: E402
+from config import load_config, validate_config  # noqa: E402
+from scripts._cli import InputError, at_least, load_config as checked_config  # noqa: E402
+# torch, the model and the trainer are imported where they are used: a bad --config fails before them
 
 SMALL = ["model.n_layers=4", "model.d_model=512", "model.n_heads=8", "model.seq_len=256",
          "train.micro_batch_size=4", "train.global_batch_size=8"]
@@ -48,6 +39,8 @@ WARMUP = 10
 
 
 def trainer_step_time(args, overrides) -> dict:
+    from training.trainer import run
+
     with tempfile.TemporaryDirectory() as d:
         cfg = load_config(args.config, overrides + [
             f"train.max_steps={args.steps}", "logging.interval=10", "train.eval_interval=0",
@@ -62,6 +55,15 @@ def trainer_step_time(args, overrides) -> dict:
 
 
 def plain_step_time(args, overrides) -> float:
+    import torch
+
+    from data.gpt_dataset import build_datasets, get_batch
+    from model.gpt import build_chunks
+    from model.layers import TPContext
+    from parallel.comm import Group, Ledger
+    from parallel.optim_rules import COMPUTE_DTYPES, build_optimizer
+    from parallel.random import RNGTracker
+
     cfg = load_config(args.config, overrides)
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     solo = Group("tp", None, [0], 0, "intra", Ledger())
@@ -98,7 +100,20 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=40)
     ap.add_argument("--rounds", type=int, default=2)
     args = ap.parse_args()
+    if args.steps <= WARMUP:
+        raise InputError(f"--steps must be more than the {WARMUP} warm-up steps, got {args.steps}")
+    at_least(args.rounds, 1, "--rounds")
     base = ([] if args.config else SMALL) + ["parallel.ranks_per_node=1"]
+    # bad input before the first round: --config as train.py reads it, then its data (one line, exit code 2)
+    cfg = checked_config(args.config, base + [f"precision={'bf16' if args.precision == 'fp8' else args.precision}"])
+    validate_config(cfg)
+    import torch
+
+    from model.flops import flops_per_token
+    from training.metrics import peak_tflops
+    from training.trainer import check_data
+
+    check_data(cfg)
     fp8 = args.precision == "fp8"
     plain_precision = "bf16" if fp8 else args.precision
     overrides = base + [f"precision={plain_precision}"]
@@ -137,4 +152,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _cli import run as run_cli  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run_cli(main))

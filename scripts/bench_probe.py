@@ -18,6 +18,7 @@ from typing import Callable, List, Sequence, Tuple
 import torch
 import torch.distributed as dist
 
+import _cli
 import netemu
 
 
@@ -37,7 +38,7 @@ def _collective(kind: str, numel: int, g: int, pg) -> Tuple[Callable[[], None], 
         return (lambda: dist.all_to_all_single(out, x, group=pg)), (g - 1) / g * nbytes, nbytes
     if kind == "all_reduce":
         return (lambda: dist.all_reduce(x, group=pg)), 2 * (g - 1) / g * nbytes, nbytes
-    raise SystemExit(f"unknown kind {kind}")
+    raise _cli.InputError(f"unknown kind {kind}")
 
 
 def _tx_and_time(op: Callable[[], None], iters: int) -> Tuple[int, float]:
@@ -80,6 +81,27 @@ def table(results: List[dict], a: argparse.Namespace, nodes: int, local: int) ->
     return "\n".join(lines)
 
 
+KINDS = ("all_gather", "reduce_scatter", "all_to_all", "all_reduce")
+GROUPS = ("world", "inter")
+
+
+def check_args(a: argparse.Namespace) -> None:
+    """Bad options and a launch without torchrun, before any process group: one line, exit code 2."""
+    for option, given, known in (("--kinds", a.kinds, KINDS), ("--groups", a.groups, GROUPS)):
+        unknown = [x for x in given.split(",") if x not in known]
+        if unknown:
+            raise _cli.InputError(f"{option}: unknown {unknown}; known: {','.join(known)}")
+    if not a.mib > 0:
+        raise _cli.InputError(f"--mib must be more than 0, got {a.mib}")
+    _cli.at_least(a.iters, 1, "--iters")
+    _cli.output_file(a.out, "--out")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+               if v not in os.environ]
+    if missing:
+        raise _cli.InputError(f"{', '.join(missing)} not set: bench_probe.py is a rank of bench_cluster.py --probe "
+                              "and runs under torchrun (python scripts/bench_cluster.py --probe)")
+
+
 def main(argv: Sequence[str]) -> int:
     """One rank of the probe; rank 0 writes ``--out`` (JSON) and the table next to it (``.md``)."""
     p = argparse.ArgumentParser()
@@ -90,6 +112,7 @@ def main(argv: Sequence[str]) -> int:
     p.add_argument("--iters", type=int, required=True)
     p.add_argument("--rate", required=True, help="the link's rate, for the table's title")
     a = p.parse_args(argv)
+    check_args(a)
     torch.set_num_threads(1)
     dist.init_process_group("gloo")
     rank, world = dist.get_rank(), dist.get_world_size()
@@ -120,4 +143,4 @@ def main(argv: Sequence[str]) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main(sys.argv[1:]))
+    sys.exit(_cli.run(main, sys.argv[1:]))

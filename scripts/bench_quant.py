@@ -28,6 +28,7 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from kernels import quant, quant_cpu  # noqa: E402
+from scripts._cli import InputError, at_least  # noqa: E402
 
 
 def median_ms(fn: Callable[[], object], repeats: int) -> float:
@@ -128,6 +129,10 @@ def main(argv=None) -> None:
     ap.add_argument("--repeats", type=int, default=20, help="timed calls per cell (median reported)")
     ap.add_argument("--device", default="cpu", choices=["cpu", "cuda"])
     args = ap.parse_args(argv)
+    at_least(args.threads, 1, "--threads")
+    at_least(args.repeats, 1, "--repeats")
+    if args.device == "cuda" and not torch.cuda.is_available():
+        raise InputError("--device cuda: CUDA is not available here (the CPU kernels: --device cpu)")
     if args.device == "cuda":
         cuda_main(args.repeats)
         return
@@ -142,4 +147,6 @@ def main(argv=None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -17,13 +17,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from parallel.layout import make_layout  # noqa: E402
-from parallel.volume import step_bytes  # noqa: E402
+from config import validate_config  # noqa: E402
+from scripts._cli import at_least, load_config  # noqa: E402
 from scripts.bench_layouts import MODEL, mib, worker  # noqa: E402
-from tests.dist_harness import run_world  # noqa: E402
-from tests.parallel_utils import tiny_config  # noqa: E402
-from parallel.zero.units import meta_chunks  # noqa: E402
-from training.memory import COMPONENTS, model_state_bytes  # noqa: E402
 
 ROWS = [(0, "flat"), (1, "flat"), (2, "flat"), (3, "flat"), (1, "whole_tensor"), (2, "whole_tensor"),
         (3, "whole_tensor")]
@@ -38,7 +34,19 @@ def main() -> None:
     ap.add_argument("--steps", type=int, default=4)
     ap.add_argument("overrides", nargs="*", help="extra config overrides, e.g. parallel.tp=2")
     args = ap.parse_args()
+    at_least(args.world, 1, "--world")
+    at_least(args.ranks_per_node, 1, "--ranks-per-node")
+    at_least(args.steps, 2, "--steps")  # the first step is left out of the median
     base = MODEL + [f"precision={args.precision}", f"parallel.ranks_per_node={args.ranks_per_node}"] + args.overrides
+    load_config(None, MODEL + base)  # bad overrides (syntax, keys, types) before torch: one line, exit 2
+    from parallel.layout import make_layout
+    from parallel.volume import step_bytes
+    from parallel.zero.units import meta_chunks
+    from tests.dist_harness import run_world
+    from tests.parallel_utils import BASE, tiny_config
+    from training.memory import COMPONENTS, model_state_bytes
+
+    validate_config(load_config(None, BASE + base))  # and their combination, before any rank starts
     cfg0 = tiny_config(*base)
     print(f"model: {' '.join(MODEL)}; {args.precision}; {make_layout(cfg0, args.world, args.ranks_per_node).describe()}")
     print("rank 0, one step: MiB by kind; intra/inter-node MiB; counted = analytic; model states MiB "
@@ -74,4 +82,6 @@ def main() -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

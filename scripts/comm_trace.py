@@ -11,6 +11,10 @@ Use it with ``scripts/bench_cluster.py`` (whose workers inherit the environment)
 
     GPT_COMM_TRACE=/tmp/trace python scripts/bench_cluster.py --rows zeropp --steps 12 --no-unshaped
     python scripts/comm_trace.py /tmp/trace --cores 2
+
+A rank killed mid-write can leave a torn last line: it is skipped with a warning. Bad input (no such
+directory, no rank*.jsonl in it, a file that is binary, not JSON lines or not trace events, before its last
+line) exits 2 with a one-line error naming the file and line.
 """
 from __future__ import annotations
 
@@ -20,14 +24,81 @@ import glob
 import json
 import os
 import statistics
-from typing import Dict, List, Tuple
+import sys
+from typing import Callable, Dict, List, Tuple
 
 
-def load(directory: str) -> Dict[str, List[list]]:
-    files = sorted(glob.glob(os.path.join(directory, "rank*.jsonl")))
+class TraceError(ValueError):
+    """Bad input: reported as one line and exit code 2."""
+
+
+def warn(message: str) -> None:
+    print(f"comm_trace.py: {message}", file=sys.stderr, flush=True)
+
+
+_LENGTHS = {"mark": 3, "call": 7, "wait": 6}  # the fewest fields of each kind of event (parallel/comm.py)
+_TIMES = {"mark": (2,), "call": (4, 5), "wait": (4, 5)}  # the fields that are times (seconds)
+
+
+def parse_event(line: bytes) -> list:
+    """One line of a rank's trace as an event; ValueError saying what is wrong with it."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"binary data, not a JSON line (byte {e.start + 1} of the line is not UTF-8)") from None
+    if "\x00" in text:
+        raise ValueError("binary data, not a JSON line (NUL bytes)")
+    try:
+        event = json.loads(text)
+    except RecursionError:
+        raise ValueError("malformed JSON line (nested too deeply)") from None
+    except ValueError as e:
+        raise ValueError(f"malformed JSON line ({e})") from None
+    kind = event[0] if isinstance(event, list) and event else None
+    if not isinstance(kind, str) or kind not in _LENGTHS:
+        raise ValueError(f"not a trace event: expected [\"mark\" | \"call\" | \"wait\", ...], got {text.strip()[:60]}")
+    if len(event) < _LENGTHS[kind]:
+        raise ValueError(f"a {kind!r} event has {len(event)} fields, expected at least {_LENGTHS[kind]}")
+    for i in _TIMES[kind]:
+        if isinstance(event[i], bool) or not isinstance(event[i], (int, float)):
+            raise ValueError(f"field {i} of a {kind!r} event is a time, got {event[i]!r:.40}")
+    return event
+
+
+def load_rank(path: str, on_warning: Callable[[str], None] = warn) -> List[list]:
+    """The events of one rank's trace. A bad last line after good events is what a rank killed mid-write
+    leaves: skipped, with a warning through ``on_warning``. A bad line anywhere else, or a file without a good
+    event, is a TraceError naming the file (and line)."""
+    try:
+        with open(path, "rb") as f:
+            lines = f.read().split(b"\n")
+    except OSError as e:
+        raise TraceError(f"{path}: cannot be read ({e.strerror})") from None
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    events: List[list] = []
+    for i in filled:
+        try:
+            events.append(parse_event(lines[i]))
+        except ValueError as e:
+            if i == filled[-1] and events:
+                on_warning(f"warning: {path}:{i + 1}: skipped the torn last line, what a rank killed mid-write "
+                           f"leaves ({e}); using the {len(events)} events before it")
+                break
+            raise TraceError(f"{path}:{i + 1}: {e}") from None
+    if not events:
+        raise TraceError(f"{path}: empty file, no trace events")
+    return events
+
+
+def load(directory: str, on_warning: Callable[[str], None] = warn) -> Dict[str, List[list]]:
+    if not os.path.exists(directory):
+        raise TraceError(f"{directory}: no such directory")
+    if not os.path.isdir(directory):
+        raise TraceError(f"{directory} is not a directory (give the directory GPT_COMM_TRACE named)")
+    files = sorted(glob.glob(os.path.join(glob.escape(directory), "rank*.jsonl")))
     if not files:
-        raise SystemExit(f"error: no rank*.jsonl in {directory} (was GPT_COMM_TRACE set for the run?)")
-    return {os.path.basename(f)[:-len(".jsonl")]: [json.loads(line) for line in open(f)] for f in files}
+        raise TraceError(f"no rank*.jsonl in {directory} (was GPT_COMM_TRACE set for the run?)")
+    return {os.path.basename(f)[:-len(".jsonl")]: load_rank(f, on_warning) for f in files}
 
 
 def step_starts(events: List[list]) -> List[float]:
@@ -100,7 +171,18 @@ def main(argv=None) -> int:
     p.add_argument("--skip", type=int, default=3, help="steps left out at the start (warm-up)")
     p.add_argument("--cores", type=int, help="cores the ranks shared: also report the idle cores per step")
     args = p.parse_args(argv)
-    ranks = load(args.directory)
+    if args.skip < 0:
+        p.error(f"--skip must be 0 or more, got {args.skip}")
+    if args.cores is not None and args.cores < 1:
+        p.error(f"--cores must be at least 1, got {args.cores}")
+    warnings: List[str] = []  # printed after the summary, so that an error stays the only line
+    try:
+        ranks = load(args.directory, warnings.append)
+    except TraceError as e:
+        print(f"error: {e}", file=sys.stderr)
+        return 2
+    for warning in warnings:
+        warn(warning)
     for name, events in ranks.items():
         per_rank(name, events, args.skip)
     if args.cores:
@@ -109,4 +191,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -24,6 +24,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _cli
+
 ROOT = Path(__file__).resolve().parents[1]
 LAYOUTS = {
     "single": (1, []),
@@ -31,16 +33,47 @@ LAYOUTS = {
 }
 
 
+def train_overrides(extra: list, args, run_dir: Path) -> list:
+    return [f"train.max_steps={args.steps}", f"train.eval_interval={args.steps}", "logging.interval=1",
+            "train.micro_batch_size=8", "train.global_batch_size=16", "checkpoint.interval=0",
+            "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}",
+            *extra, *args.overrides]
+
+
+def check_input(args) -> None:
+    """Bad options, overrides and data before the first run (each takes minutes): one line, exit code 2."""
+    from config import validate_config
+    from parallel.layout import make_layout
+
+    _cli.at_least(args.steps, 1, "--steps")
+    if args.out:
+        _cli.output_dir(args.out, "--out")
+    for layout in args.layouts:
+        nproc, extra = LAYOUTS[layout]
+        for precision in ("bf16", "fp8"):
+            cfg = _cli.load_config(None, train_overrides(extra + [f"precision={precision}"], args, Path("run")))
+            validate_config(cfg)
+            make_layout(cfg, nproc, nproc)
+    from training.trainer import check_data  # torch and the model: after the options are checked
+
+    here = os.getcwd()
+    os.chdir(ROOT)  # the runs start in the repository root: relative paths are read from there
+    try:
+        check_data(cfg)  # the data and tokenizer the overrides name (the same for every run)
+    finally:
+        os.chdir(here)
+
+
 def run(name: str, nproc: int, extra: list, args, out_dir: Path) -> dict:
     run_dir = out_dir / name
     launcher = ([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", str(nproc)]
                 if nproc > 1 else [sys.executable])
-    cmd = [*launcher, str(ROOT / "train.py"), f"train.max_steps={args.steps}", f"train.eval_interval={args.steps}",
-           "logging.interval=1", "train.micro_batch_size=8", "train.global_batch_size=16", "checkpoint.interval=0",
-           "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}",
-           *extra, *args.overrides]
+    cmd = [*launcher, str(ROOT / "train.py"), *train_overrides(extra, args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if p.returncode == 2:  # train.py's bad input (e.g. a data path in the overrides): its one line
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+        raise _cli.InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
     if p.returncode != 0:
         raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -61,9 +94,10 @@ def main(argv=None) -> int:
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every run")
     args = ap.parse_args(argv)
+    check_input(args)
     results = {}
     with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(args.out or tmp)
+        out_dir = Path(args.out or tmp).absolute()  # train.py runs in ROOT: no relative run dirs
         for layout in args.layouts:
             nproc, extra = LAYOUTS[layout]
             for precision in ("bf16", "fp8"):
@@ -90,4 +124,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    sys.exit(_cli.run(main))

@@ -34,6 +34,8 @@ import sys
 import tempfile
 from pathlib import Path
 
+import _cli
+
 ROOT = Path(__file__).resolve().parents[1]
 QWD4 = ["zero.quantized_weights=true", "zero.weight_bits=4", "zero.weight_delta=true"]
 HQGZ4 = ["zero.quantized_gradients=true", "zero.gradient_bits=4", "zero.gradient_hadamard=true"]
@@ -57,16 +59,44 @@ DEFAULT_ROWS = ["zero3", "zeropp", "zeropp_4bit", "zeropp_4bit_direct", "zero1",
                 "zero2_4bit"]
 
 
+def train_overrides(extra: list, args, run_dir: Path) -> list:
+    return ["precision=bf16", "parallel.ranks_per_node=2", f"train.max_steps={args.steps}",
+            f"train.eval_interval={args.steps}", "logging.interval=1", "train.micro_batch_size=4",
+            "train.global_batch_size=16", "checkpoint.interval=0", "checkpoint.save_at_exit=false",
+            "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}", *extra, *args.overrides]
+
+
+def check_input(args, rows: list) -> None:
+    """Bad options, overrides and data before the first run (each takes minutes): one line, exit code 2."""
+    from config import validate_config
+    from parallel.layout import make_layout
+
+    _cli.at_least(args.steps, 1, "--steps")
+    if args.out:
+        _cli.output_dir(args.out, "--out")
+    for name in rows:
+        cfg = _cli.load_config(None, train_overrides(ROWS[name][1], args, Path("run")))
+        validate_config(cfg)
+        make_layout(cfg, 4, 2)
+    from training.trainer import check_data  # torch and the model: after the options are checked
+
+    here = os.getcwd()
+    os.chdir(ROOT)  # the runs start in the repository root: relative paths are read from there
+    try:
+        check_data(cfg)  # the data and tokenizer the overrides name (the same for every row)
+    finally:
+        os.chdir(here)
+
+
 def run(name: str, extra: list, args, out_dir: Path) -> dict:
     run_dir = out_dir / name
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
-           str(ROOT / "train.py"), "precision=bf16", "parallel.ranks_per_node=2",
-           f"train.max_steps={args.steps}", f"train.eval_interval={args.steps}", "logging.interval=1",
-           "train.micro_batch_size=4", "train.global_batch_size=16", "checkpoint.interval=0",
-           "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled", f"logging.run_dir={run_dir}",
-           *extra, *args.overrides]
+           str(ROOT / "train.py"), *train_overrides(extra, args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
     p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
+    if p.returncode == 2:  # train.py's bad input (e.g. a data path in the overrides): its one line
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+        raise _cli.InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
     if p.returncode != 0:
         raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
     records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
@@ -91,8 +121,9 @@ def main(argv=None) -> int:
         for r in (ROWS[name][0], name):
             if r not in rows:
                 rows.append(r)
+    check_input(args, rows)
     with tempfile.TemporaryDirectory() as tmp:
-        out_dir = Path(args.out or tmp)
+        out_dir = Path(args.out or tmp).absolute()  # train.py runs in ROOT: no relative run dirs
         results = {}
         for name in rows:
             results[name] = run(name, ROWS[name][1], args, out_dir)
@@ -117,4 +148,4 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    sys.exit(_cli.run(main))

@@ -16,10 +16,9 @@ import sys
 
 sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
-from config import ConfigError, load_config, validate_config  # noqa: E402
+from config import validate_config  # noqa: E402
+from scripts._cli import load_config  # noqa: E402
 from parallel.layout import make_layout  # noqa: E402
-from parallel.zero.units import meta_chunks  # noqa: E402
-from training.memory import COMPONENTS, activation_bytes, model_state_bytes  # noqa: E402
 
 
 def gib(n: float) -> str:
@@ -33,13 +32,15 @@ def main(argv=None) -> int:
     ap.add_argument("--ranks-per-node", type=int, default=None, help="default: parallel.ranks_per_node or 8")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
-    try:
-        cfg = load_config(args.config, args.overrides)
-        validate_config(cfg)
-        layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
-    except ConfigError as e:
-        print(f"error: {e}", file=sys.stderr)
-        return 2
+    if args.world < 1:
+        ap.error(f"--world must be at least 1 (the number of ranks), got {args.world}")
+    if args.ranks_per_node is not None and args.ranks_per_node < 1:
+        ap.error(f"--ranks-per-node must be at least 1, got {args.ranks_per_node}")
+    cfg = load_config(args.config, args.overrides)  # --config as train.py reads it; ConfigError: one line, exit 2
+    validate_config(cfg)
+    layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
+    from parallel.zero.units import meta_chunks  # torch and the model: after the input is checked
+    from training.memory import COMPONENTS, activation_bytes, model_state_bytes
     print(f"{layout.describe()}\nprecision={cfg.precision}, zero.partition={cfg.zero.partition}, "
           f"zero.reduce_dtype={cfg.zero.reduce_dtype}; GiB per rank")
     last = layout.rank_of(layout.pp - 1, 0, 0)
@@ -61,4 +62,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

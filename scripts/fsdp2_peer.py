@@ -117,7 +117,7 @@ def main(argv=None) -> int:
     from torch.distributed.tensor import Shard
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-    from config import load_config, validate_config
+    from config import validate_config
     from data.gpt_dataset import get_batch
     from model.gpt import build_chunks
     from model.layers import TPContext
@@ -127,15 +127,26 @@ def main(argv=None) -> int:
     from training.optim import LRSchedule
     from training.trainer import check_data
 
+    from scripts._cli import InputError, load_config
+
+    # bad input before the process group: one line, exit code 2 on every rank (scripts/_cli.py)
     cfg = load_config(None, args.overrides)
     validate_config(cfg)
     if cfg.parallel.tp != 1 or cfg.parallel.pp != 1:
-        raise SystemExit("error: fsdp2_peer.py runs parallel.tp=1 parallel.pp=1 only")
-    rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
-    local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+        raise InputError("fsdp2_peer.py runs parallel.tp=1 parallel.pp=1 only")
+    train_ds, _ = check_data(cfg)
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        raise InputError(f"{', '.join(missing)} not set: run it under torchrun, as train.py "
+                         "(torchrun --nproc-per-node N scripts/fsdp2_peer.py ...)")
+    try:
+        rank, world = int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"])
+        local_world = int(os.environ.get("LOCAL_WORLD_SIZE", world))
+    except ValueError as e:
+        raise InputError(f"the launch environment is not torchrun's: {e}") from None
     ranks_per_node = cfg.parallel.ranks_per_node or local_world
     if world % ranks_per_node:
-        raise SystemExit(f"error: world {world} is not a multiple of ranks_per_node {ranks_per_node}")
+        raise InputError(f"world {world} is not a multiple of ranks_per_node {ranks_per_node}")
     nodes = world // ranks_per_node
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // local_world))
     dist.init_process_group("gloo")
@@ -143,7 +154,6 @@ def main(argv=None) -> int:
     counter.install()
     cpu = torch.device("cpu")
     try:
-        train_ds, _ = check_data(cfg)
         dtype = {"bf16": torch.bfloat16, "fp16": torch.float16, "fp32": torch.float32}[cfg.precision]
         if args.mesh == "full":
             mesh = init_device_mesh("cpu", (world,), mesh_dim_names=("shard",))
@@ -215,4 +225,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

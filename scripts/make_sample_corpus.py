@@ -233,6 +233,9 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--output-dir", default=os.path.join("data", "sample"))
     out_dir = parser.parse_args(argv).output_dir
+    from scripts._cli import output_dir
+
+    output_dir(out_dir, "--output-dir")  # a file in the way: one line, exit code 2 (scripts/_cli.py)
     os.makedirs(out_dir, exist_ok=True)
 
     documents = list(pack_documents(topic_texts())) + list(pack_documents(docstring_texts()))
@@ -247,4 +250,6 @@ def main(argv: list[str] | None = None) -> None:
 
 
 if __name__ == "__main__":
-    main()
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -27,8 +27,9 @@ from pathlib import Path
 
 sys.path.insert(0, str(Path(__file__).resolve().parent.parent))
 
-from tests.dist_harness import run_world  # noqa: E402
-from tests.parallel_utils import batch_fn, build_engine, tiny_config  # noqa: E402
+from config import validate_config  # noqa: E402
+from parallel.layout import make_layout  # noqa: E402
+from scripts._cli import at_least, load_config  # noqa: E402
 
 MODEL = ["model.d_model=128", "model.n_heads=4", "model.ffn_hidden=384", "model.vocab_size=4096",
          "model.seq_len=64", "train.micro_batch_size=2"]
@@ -36,6 +37,8 @@ STATE = ("parameters", "gradients", "optimizer")
 
 
 def worker(overrides, steps):
+    from tests.parallel_utils import batch_fn, build_engine, tiny_config
+
     cfg = tiny_config(*MODEL, *overrides)
     engine = build_engine(cfg)
     for step in range(steps):
@@ -44,20 +47,33 @@ def worker(overrides, steps):
     return {"memory": engine.dp.memory(), "phi": phi}
 
 
+def row_overrides(precision: str, world: int, stage: int, extra: list) -> list:
+    return [f"precision={precision}", f"zero.stage={stage}", f"train.global_batch_size={2 * world}", *extra]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--world", type=int, default=4)
     ap.add_argument("--steps", type=int, default=2)
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    at_least(args.world, 1, "--world")
+    at_least(args.steps, 1, "--steps")
     rows = [("bf16", 1, 0), ("fp8", 1, 0), ("bf16", args.world, 1), ("fp8", args.world, 1)]
+    load_config(None, [*MODEL, *args.overrides])  # bad overrides (syntax, keys, types) before torch: one line
+    from tests.dist_harness import run_world
+    from tests.parallel_utils import BASE
+
+    for precision, world, stage in rows:  # and their combinations, before any rank starts
+        cfg = load_config(None, [*BASE, *MODEL, *row_overrides(precision, world, stage, args.overrides)])
+        validate_config(cfg)
+        make_layout(cfg, world, world)
     print(f"tiny model, measured after {args.steps} steps; bytes per parameter of the model (Phi)\n")
     print("| precision | DP ranks | ZeRO | parameters (master) | gradients | optimizer | model state / rank (max) "
           "| sum over ranks | E4M3 weight copy / rank | working peak / rank |")
     print("|---|---|---|---|---|---|---|---|---|---|")
     for precision, world, stage in rows:
-        over = [f"precision={precision}", f"zero.stage={stage}", f"train.global_batch_size={2 * world}",
-                *args.overrides]
+        over = row_overrides(precision, world, stage, args.overrides)
         out = run_world(worker, world, over, args.steps, timeout=600)
         phi = out[0]["phi"]  # pure DP: every rank's model is the whole model
         per = [{k: r["memory"][k] / phi for k in r["memory"]} for r in out]
@@ -70,4 +86,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -538,3 +538,24 @@ class Sampler(threading.Thread):
         (t0, c0), (t1, c1) = s[lo], s[hi]
         w = 0.0 if t1 == t0 else (t - t0) / (t1 - t0)
         return [(a[0] + w * (b[0] - a[0]), a[1] + w * (b[1] - a[1])) for a, b in zip(c0, c1)]
+
+
+def main(argv: Optional[Sequence[str]] = None) -> int:
+    """Run as a script, the library only says what it is; it takes no arguments (a usage error, exit code 2)."""
+    import argparse
+
+    parser = argparse.ArgumentParser(
+        prog="netemu.py", description="Emulated networks on one machine: the library scripts/bench_cluster.py and "
+        "scripts/slurm/local_slurm.py use. It takes no arguments; bench_cluster.py --cleanup removes the "
+        "namespaces a killed run left behind.")
+    parser.parse_args(argv)
+    parser.print_help()
+    return 0
+
+
+if __name__ == "__main__":
+    import sys
+
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

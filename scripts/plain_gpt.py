@@ -27,6 +27,7 @@ from torch import nn
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 from config import load_config  # noqa: E402  (the preset's shape only)
+from scripts._cli import InputError, at_least, preset as preset_file  # noqa: E402
 
 
 class Block(nn.Module):
@@ -87,7 +88,7 @@ class GPT(nn.Module):
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="gpt_1.3b")
+    ap.add_argument("--preset", default="gpt_1.3b", help="configs/<preset>.yaml, or a YAML file's path")
     ap.add_argument("--compile", action="store_true", help="torch.compile each transformer block")
     ap.add_argument("--float8", action="store_true", help="torchao float8 training (tensorwise) of the blocks")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -95,8 +96,15 @@ def main(argv=None) -> int:
     ap.add_argument("--steps", type=int, default=16)
     ap.add_argument("--warmup", type=int, default=6)
     args = ap.parse_args(argv)
-    root = Path(__file__).resolve().parents[1]
-    m = load_config(str(root / "configs" / f"{args.preset}.yaml"), []).model
+    for option in ("micro_batch", "accum", "steps"):
+        at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
+    at_least(args.warmup, 0, "--warmup")
+    m = load_config(preset_file(args.preset), []).model  # bad --preset: one line, exit 2 (scripts/_cli.py)
+    if args.float8:
+        try:
+            import torchao.float8  # noqa: F401
+        except ImportError:
+            raise InputError("--float8 needs torchao (pip install -r requirements-gpu.txt)") from None
     device = torch.device("cuda" if torch.cuda.is_available() else "cpu")
     torch.manual_seed(0)
     model = GPT(m).to(device)
@@ -134,4 +142,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

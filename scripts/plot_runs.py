@@ -18,7 +18,8 @@ note; a metric named with ``--metrics`` must be in some run.
 
 matplotlib is optional (``pip install matplotlib``); it is imported only here,
 with the non-interactive Agg backend. Bad input (a missing, empty or binary file, a
-malformed line before the last) exits 2 with a one-line error naming the file.
+malformed line before the last, an ``-o`` that cannot be written) exits 2 with a one-line error naming the
+file.
 """
 from __future__ import annotations
 
@@ -79,6 +80,8 @@ def load_run(run_dir: Path, metrics: List[str], on_warning: Callable[[str], None
     A bad last line after good records is what a writer killed mid-line leaves: it is skipped, with a warning
     through ``on_warning``. A bad line anywhere else, or a file with no good record, is an InputError."""
     path = run_dir / "metrics.jsonl"
+    if run_dir.exists() and not run_dir.is_dir():
+        raise InputError(f"{run_dir} is a file, not a run directory (one holding metrics.jsonl)")
     if not path.is_file():
         raise InputError(f"{path}: no such file (is {run_dir} a run directory?)")
     try:
@@ -149,9 +152,26 @@ def plot(labels: List[str], runs: List[Dict[str, Series]], metrics: List[str], o
         ax.legend(fontsize="small")
     axes[-1, 0].set_xlabel("step")
     fig.tight_layout()
-    output.parent.mkdir(parents=True, exist_ok=True)
-    fig.savefig(output, dpi=100)
-    plt.close(fig)
+    try:
+        output.parent.mkdir(parents=True, exist_ok=True)
+        fig.savefig(output, dpi=100)
+    except OSError as e:  # e.g. no permission, a full disk (a file in the way is found by check_output)
+        raise InputError(f"cannot write {output}: {e.strerror or e}") from None
+    except ValueError as e:  # matplotlib: an unknown format (the suffix of -o)
+        raise InputError(f"cannot write {output}: {e}") from None
+    finally:
+        plt.close(fig)
+
+
+def check_output(output: Path) -> None:
+    """``-o`` can be written: not a directory, and no regular file where a directory of its path must be."""
+    if output.is_dir():
+        raise InputError(f"-o {output} is a directory; give the PNG's file name")
+    parent = output.absolute().parent
+    while not parent.exists() and parent != parent.parent:
+        parent = parent.parent
+    if not parent.is_dir():
+        raise InputError(f"-o {output} cannot be written: {parent} is a file, not a directory")
 
 
 def main(argv=None) -> int:
@@ -169,6 +189,7 @@ def main(argv=None) -> int:
     metrics = list(dict.fromkeys(args.metrics or DEFAULT_METRICS))  # drop repeats, keep order
     notes: List[str] = []  # printed once the plot is written, so an error stays the only line
     try:
+        check_output(args.output)  # before reading anything: a bad -o is found first, not after the plot
         wanted = list(dict.fromkeys(metrics + DEFAULT_METRICS))  # the table shows loss and val_loss
         runs = [load_run(run, wanted, notes.append) for run in args.runs]
         paths = ", ".join(str(run / "metrics.jsonl") for run in args.runs)
@@ -194,4 +215,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    sys.exit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -24,7 +24,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT))
 
-from config import load_config  # noqa: E402
+from scripts._cli import InputError, at_least, load_config, output_file, preset as preset_file  # noqa: E402
 
 KINDS = [  # (kind, pattern on a kernel / op name), first match wins
     ("gemm", r"gemm|matmul|\bmm\b|addmm|bmm|scaled_mm|cutlass|sm90_xmma|nvjet|cublas|linear"),
@@ -49,7 +49,7 @@ def kind_of(name: str) -> str:
 
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    ap.add_argument("--preset", default="gpt_350m")
+    ap.add_argument("--preset", default="gpt_350m", help="configs/<preset>.yaml, or a YAML file's path")
     ap.add_argument("--precision", default="bf16")
     ap.add_argument("--device", default="cuda")
     ap.add_argument("--micro-batch", type=int, default=4)
@@ -59,6 +59,19 @@ def main(argv=None) -> int:
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
+    # bad input before anything is built: one line, exit code 2 (scripts/_cli.py)
+    for option in ("micro_batch", "accum", "top"):
+        at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
+    at_least(args.warmup, 0, "--warmup")
+    config = preset_file(args.preset)
+    if args.trace:
+        output_file(args.trace, "--trace")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError as e:
+        raise InputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
+    if device.type == "cuda" and not torch.cuda.is_available():
+        raise InputError(f"--device {args.device}: CUDA is not available here (use --device cpu)")
 
     from model.flops import flops_per_token
     from parallel.launch import init_distributed, read_launch_env
@@ -67,17 +80,16 @@ def main(argv=None) -> int:
     from training.engine import Engine
     from training.trainer import batch_source, check_data
 
-    device = torch.device(args.device)
     sample = ROOT / "data" / "sample"
-    cfg = load_config(str(ROOT / "configs" / f"{args.preset}.yaml"), [
+    cfg = load_config(config, [
         f"precision={args.precision}", f"data.paths=[{sample / 'sample_text_document'}]",
         f"data.tokenizer={sample / 'tokenizer.model'}", f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * args.accum}", "logging.wandb.mode=disabled",
-        "parallel.ranks_per_node=1", *args.overrides])
+        "parallel.ranks_per_node=1", *args.overrides], "--preset")
+    train_ds, _ = check_data(cfg)  # the data and tokenizer (overrides may name others) before the process group
     env = read_launch_env()
     init_distributed(env, device, 600.0)
     engine = Engine(cfg, Mesh(make_layout(cfg, 1, 1), device))
-    train_ds, _ = check_data(cfg)
     g = cfg.train.global_batch_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
     for step in range(args.warmup):
@@ -148,4 +160,6 @@ def main(argv=None) -> int:
 
 
 if __name__ == "__main__":
-    raise SystemExit(main())
+    from _cli import run  # scripts/ is sys.path[0] when a script runs
+
+    sys.exit(run(main))

@@ -289,3 +289,13 @@ def test_describe_lists_every_leaf_key_with_its_docstring() -> None:
 def test_config_is_a_plain_dataclass_tree() -> None:
     cfg = load_config(None, ["model.d_model=64"])
     assert dataclasses.asdict(cfg)["model"]["d_model"] == 64
+
+
+def test_a_malformed_override_value_is_one_line_naming_it():
+    """``model.n_layers=[x`` is not YAML: a ConfigError naming the override (train.py prints it as one line), not
+    yaml's traceback."""
+    from config import ConfigError, load_config
+
+    with pytest.raises(ConfigError, match=r"override 'model.n_layers=\[x' is not a valid YAML value") as info:
+        load_config(None, ["train.max_steps=3", "model.n_layers=[x"])
+    assert "\n" not in str(info.value)

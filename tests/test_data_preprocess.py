@@ -130,3 +130,123 @@ def test_shipped_sample_is_reproducible(tmp_path: Path) -> None:
     for suffix in (".bin", ".idx"):
         shipped = (SAMPLE / f"sample_text_document{suffix}").read_bytes()
         assert (tmp_path / f"again{suffix}").read_bytes() == shipped
+
+
+# ---- hostile input: one line "error: ..." and exit code 2 from the command line, never a traceback ----------
+
+
+def _cli(argv: list[str], capsys: pytest.CaptureFixture[str]) -> tuple[int, str]:
+    """main(argv) as the command line runs it: (exit code, stderr); stderr is not a terminal here."""
+    try:
+        code = main(argv)
+    except SystemExit as e:  # argparse's usage errors
+        code = e.code
+    return code, capsys.readouterr().err
+
+
+def _assert_one_error_line(code: int, err: str, *parts: str) -> None:
+    lines = [line for line in err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and lines[0].startswith("error: "), err
+    assert "Traceback" not in err
+    for part in parts:
+        assert part in lines[0], lines[0]
+
+
+def _write_lines(path: Path, raw_lines: list[bytes]) -> Path:
+    path.write_bytes(b"".join(line + b"\n" for line in raw_lines))
+    return path
+
+
+BAD_TEXT = {  # a .jsonl whose "text" is not a string of UTF-8 -> what the error names
+    "int": ([b'{"text": 123}'], ["document 0", "123", "not a string"]),
+    "list": ([b'{"text": "fine"}', b'{"text": ["a", "b"]}'], ["document 1", "['a', 'b']", "not a string"]),
+    "mixed": ([b'{"text": "fine"}', b'{"text": "also fine"}', b'{"text": 5}'], ["document 2", "not a string"]),
+    "object": ([b'{"text": {"nested": "x"}}'], ["document 0", "not a string"]),
+    "bad_utf8": ([b'{"text": "fine"}', b'{"text": "ab\xff\xfecd"}'], ["document 1", "not valid UTF-8"]),
+}
+
+
+@pytest.mark.parametrize("case", sorted(BAD_TEXT))
+def test_cli_text_that_is_not_a_string_is_one_line(tmp_path: Path, capsys, case: str) -> None:
+    lines, parts = BAD_TEXT[case]
+    path = _write_lines(tmp_path / "a.jsonl", lines)
+    code, err = _cli(["--input", str(path), "--output-prefix", str(tmp_path / "out"), "--tokenizer", TOKENIZER],
+                     capsys)
+    _assert_one_error_line(code, err, str(path), *parts)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["a.jsonl"]  # nothing written
+
+
+@pytest.mark.parametrize("name", ["empty.jsonl", "blank.jsonl", "empty.json", "empty.txt", "empty.jsonl.gz"])
+def test_cli_a_file_without_documents(tmp_path: Path, capsys, name: str) -> None:
+    """An empty (or blank) file has no documents: alone it is one error line; beside others it adds nothing."""
+    empty = tmp_path / name
+    content = b"\n  \n" if name.startswith("blank") else b""
+    if name.endswith(".gz"):
+        with gzip.open(empty, "wb") as f:
+            f.write(content)
+    else:
+        empty.write_bytes(content)
+    code, err = _cli(["--input", str(empty), "--output-prefix", str(tmp_path / "out"), "--tokenizer", TOKENIZER],
+                     capsys)
+    _assert_one_error_line(code, err, str(empty), "no documents")
+    assert not list(tmp_path.glob("out*"))
+    other = write_jsonl(tmp_path / "b.jsonl", ["Something to write."])
+    stats = preprocess([str(empty), str(other)], str(tmp_path / "both"), TOKENIZER)
+    assert read_docs(tmp_path / "both") == expected_docs(["Something to write."]) and stats["empty_docs"] == 0
+
+
+@pytest.mark.parametrize("texts", [["", "  ", "\n"], [None, None]], ids=["empty_strings", "nulls"])
+def test_all_documents_empty_is_one_line_and_writes_nothing(tmp_path: Path, capsys, texts) -> None:
+    path = write_jsonl(tmp_path / "a.jsonl", texts)
+    code, err = _cli(["--input", str(path), "--output-prefix", str(tmp_path / "out" / "corpus"), "--tokenizer",
+                      TOKENIZER], capsys)
+    _assert_one_error_line(code, err, str(path), f"all {len(texts)} documents", "empty")
+    assert not [p for p in tmp_path.rglob("*") if p.is_file() and p != path]  # nothing half-written
+
+
+@pytest.mark.parametrize("workers", [1, 2])
+def test_empty_documents_before_real_ones_are_skipped(tmp_path: Path, workers: int) -> None:
+    """The first batch (1,000 documents) all empty used to fix the ids' type to null: every later batch failed."""
+    real = [f"Real document {i}." for i in range(5)]
+    path = write_jsonl(tmp_path / "a.jsonl", [""] * 1000 + real[:3] + ["   "] + real[3:])
+    stats = preprocess([str(path)], str(tmp_path / "out"), TOKENIZER, workers=workers)
+    want = expected_docs(real)
+    assert read_docs(tmp_path / "out") == want
+    assert stats == {"docs": 5, "tokens": sum(map(len, want)), "empty_docs": 1001}
+
+
+def test_cli_bad_paths_are_one_line(tmp_path: Path, capsys) -> None:
+    good = write_jsonl(tmp_path / "a.jsonl", ["Some text."])
+    (tmp_path / "somefile").write_text("x")
+    (tmp_path / "noise.jsonl").write_bytes(bytes(range(256)) * 8)
+    cases = [
+        (["--input", str(tmp_path / "absent.jsonl")], [str(tmp_path / "absent.jsonl"), "not found"]),
+        (["--input", str(tmp_path / "noise.jsonl")], [str(tmp_path / "noise.jsonl"), "could not be read"]),
+        (["--input", str(good), "--tokenizer", str(tmp_path / "absent.model")], ["absent.model"]),
+        (["--input", str(good), "--tokenizer", str(tmp_path / "noise.jsonl")], ["noise.jsonl"]),
+        (["--input", str(good), "--output-prefix", str(tmp_path / "somefile" / "out")], ["somefile"]),
+        (["--input", str(good), "--workers", "0"], ["--workers"]),
+    ]
+    for extra, parts in cases:
+        argv = {"--output-prefix": str(tmp_path / "out"), "--tokenizer": TOKENIZER}
+        args = list(extra)
+        for option, value in argv.items():
+            if option not in args:
+                args += [option, value]
+        code, err = _cli(args, capsys)
+        _assert_one_error_line(code, err, *parts)
+    assert not list(tmp_path.glob("out*"))
+
+
+def test_the_command_exits_2_with_one_line(tmp_path: Path) -> None:
+    """The real command line: exit code 2 and the one line (was the last line of a traceback, exit code 1)."""
+    import subprocess
+    import sys
+
+    path = _write_lines(tmp_path / "a.jsonl", [b'{"text": 123}'])
+    r = subprocess.run([sys.executable, "-m", "data.preprocess", "--input", str(path), "--output-prefix",
+                        str(tmp_path / "out"), "--tokenizer", TOKENIZER], cwd=SAMPLE.parents[1], capture_output=True,
+                       text=True, timeout=300)
+    lines = [line for line in r.stderr.splitlines() if line.strip()]
+    assert r.returncode == 2 and len(lines) == 1 and "Traceback" not in r.stderr, r.stderr
+    assert lines[0].startswith(f"error: {path}: document 0"), r.stderr

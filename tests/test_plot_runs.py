@@ -154,6 +154,25 @@ def test_bad_input_exits_2_with_one_line(case, runs, tmp_path):
     assert not out.exists() and r.stdout == ""
 
 
+@pytest.mark.parametrize("case", ["under_a_file", "deeper_under_a_file", "a_directory", "unknown_format"])
+def test_bad_output_exits_2_with_one_line(case, runs, tmp_path):
+    """-o that cannot be written (a regular file where a directory of its path must be, an existing directory, a
+    suffix matplotlib has no format for): one line naming it, exit 2, nothing written (was a FileExistsError
+    traceback for -o somefile/plots)."""
+    if case == "unknown_format":
+        pytest.importorskip("matplotlib")
+    somefile = tmp_path / "somefile"
+    somefile.write_text("not a directory\n")
+    out = {"under_a_file": somefile / "plots.png", "deeper_under_a_file": somefile / "a" / "plots.png",
+           "a_directory": tmp_path, "unknown_format": tmp_path / "curves.nosuchformat"}[case]
+    before = sorted(tmp_path.rglob("*"))
+    r = _run(*runs, "-o", out)
+    assert r.returncode == 2, r.stderr
+    assert "Traceback" not in r.stderr and len(r.stderr.strip().splitlines()) == 1, r.stderr
+    assert "error: " in r.stderr and str(out) in r.stderr and r.stdout == ""
+    assert sorted(tmp_path.rglob("*")) == before and somefile.read_text() == "not a directory\n"
+
+
 def test_missing_matplotlib_exits_2(runs, tmp_path):
     """A fake ``matplotlib`` first on PYTHONPATH that fails to import stands in for one not installed."""
     fake = tmp_path / "fake" / "matplotlib"

@@ -83,6 +83,7 @@ def run(cfg: Config, config_name: str = "default", stop: Optional[StopFlag] = No
     stop = stop or StopFlag()
     validate_config(cfg)
     env = read_launch_env()
+    comm.check_trace()  # GPT_COMM_TRACE: a file or an unwritable place is found now, not at the first step
     layout = make_layout(cfg, env.world_size, env.local_world_size)
     train_ds, valid_ds = check_data(cfg)
     device = pick_device(cfg.device, env)
