@@ -265,7 +265,7 @@ def test_qwd_checkpoints_of_every_stage_resume_at_every_other_stage(tmp_path):
             assert out == {3: uninterrupted[1][3], 4: uninterrupted[1][4]}, (saved, resumed, out, uninterrupted[1])
 
 
-@pytest.mark.parametrize("stage", [2, 3])
+@pytest.mark.parametrize("stage", [1, 2, 3])
 def test_qwd_checkpoint_saved_after_a_validation_resumes_bit_for_bit(tmp_path, stage):
     """A validation pass after step 2, then the checkpoint: at stage 3 the validation's gather already sent the step's
     differences and kept the secondary shards, so the uninterrupted run's next forward sends none; the resumed run
