@@ -32,6 +32,7 @@ from __future__ import annotations
 import dataclasses
 import json
 import math
+from pathlib import Path
 from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
@@ -75,6 +76,18 @@ class HFError(ValueError):
 
 
 # ---- our model settings -----------------------------------------------------------------------------------
+
+def check_output_dir(out: Path) -> None:
+    """``--output`` of an export or import: a directory, or a path where one can be made (the nearest existing
+    ancestor is a directory); HFError naming what is in the way."""
+    for parent in out.absolute().parents:  # the nearest one that exists must be a directory
+        if parent.exists():
+            if not parent.is_dir():
+                raise HFError(f"--output {out}: {parent} is not a directory")
+            break
+    if out.exists() and not out.is_dir():
+        raise HFError(f"--output {out} exists and is not a directory")
+
 
 def model_config(settings: Mapping[str, Any]) -> ModelConfig:
     """A ModelConfig from a ``model`` section (e.g. a checkpoint's meta.json); keys it does not know are ignored."""

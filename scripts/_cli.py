@@ -206,6 +206,36 @@ def output_file(path: str, option: str, make_parents: bool = False) -> Path:
     return p
 
 
+def check_run_data(cfg) -> None:
+    """The data and tokenizer a config names, read as its runs will read them: from the repository root (where
+    the scripts start train.py), so relative paths mean the same; DataError (one line) otherwise."""
+    from training.trainer import check_data  # torch and the model: only once the options are checked
+
+    here = os.getcwd()
+    os.chdir(ROOT)
+    try:
+        check_data(cfg)
+    finally:
+        os.chdir(here)
+
+
+def json_line(line: bytes):
+    """One line of a JSON-lines file (a trace, metrics.jsonl) decoded; ValueError saying what is wrong with it
+    (binary data, malformed JSON): the reader names the file and line."""
+    try:
+        text = line.decode("utf-8")
+    except UnicodeDecodeError as e:
+        raise ValueError(f"binary data, not a JSON line (byte {e.start + 1} of the line is not UTF-8)") from None
+    if "\x00" in text:
+        raise ValueError("binary data, not a JSON line (NUL bytes)")
+    try:
+        return json.loads(text)
+    except RecursionError:
+        raise ValueError("malformed JSON line (nested too deeply)") from None
+    except ValueError as e:
+        raise ValueError(f"malformed JSON line ({e})") from None
+
+
 def at_least(value: float, least: float, option: str) -> None:
     if value < least:
         raise InputError(f"{option} must be at least {least}, got {value}")

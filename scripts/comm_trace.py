@@ -21,11 +21,14 @@ from __future__ import annotations
 import argparse
 import collections
 import glob
-import json
 import os
 import statistics
 import sys
 from typing import Callable, Dict, List, Tuple
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # _cli beside this file, however it is loaded
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import json_line  # noqa: E402
 
 
 class TraceError(ValueError):
@@ -42,21 +45,10 @@ _TIMES = {"mark": (2,), "call": (4, 5), "wait": (4, 5)}  # the fields that are t
 
 def parse_event(line: bytes) -> list:
     """One line of a rank's trace as an event; ValueError saying what is wrong with it."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"binary data, not a JSON line (byte {e.start + 1} of the line is not UTF-8)") from None
-    if "\x00" in text:
-        raise ValueError("binary data, not a JSON line (NUL bytes)")
-    try:
-        event = json.loads(text)
-    except RecursionError:
-        raise ValueError("malformed JSON line (nested too deeply)") from None
-    except ValueError as e:
-        raise ValueError(f"malformed JSON line ({e})") from None
+    event = json_line(line)
     kind = event[0] if isinstance(event, list) and event else None
     if not isinstance(kind, str) or kind not in _LENGTHS:
-        raise ValueError(f"not a trace event: expected [\"mark\" | \"call\" | \"wait\", ...], got {text.strip()[:60]}")
+        raise ValueError(f"not a trace event: expected [\"mark\" | \"call\" | \"wait\", ...], got {line.decode().strip()[:60]}")
     if len(event) < _LENGTHS[kind]:
         raise ValueError(f"a {kind!r} event has {len(event)} fields, expected at least {_LENGTHS[kind]}")
     for i in _TIMES[kind]:

@@ -54,14 +54,7 @@ def check_input(args) -> None:
             cfg = _cli.load_config(None, train_overrides(extra + [f"precision={precision}"], args, Path("run")))
             validate_config(cfg)
             make_layout(cfg, nproc, nproc)
-    from training.trainer import check_data  # torch and the model: after the options are checked
-
-    here = os.getcwd()
-    os.chdir(ROOT)  # the runs start in the repository root: relative paths are read from there
-    try:
-        check_data(cfg)  # the data and tokenizer the overrides name (the same for every run)
-    finally:
-        os.chdir(here)
+    _cli.check_run_data(cfg)  # the data and tokenizer the overrides name (the same for every run)
 
 
 def run(name: str, nproc: int, extra: list, args, out_dir: Path) -> dict:

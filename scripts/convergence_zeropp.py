@@ -78,14 +78,7 @@ def check_input(args, rows: list) -> None:
         cfg = _cli.load_config(None, train_overrides(ROWS[name][1], args, Path("run")))
         validate_config(cfg)
         make_layout(cfg, 4, 2)
-    from training.trainer import check_data  # torch and the model: after the options are checked
-
-    here = os.getcwd()
-    os.chdir(ROOT)  # the runs start in the repository root: relative paths are read from there
-    try:
-        check_data(cfg)  # the data and tokenizer the overrides name (the same for every row)
-    finally:
-        os.chdir(here)
+    _cli.check_run_data(cfg)  # the data and tokenizer the overrides name (the same for every row)
 
 
 def run(name: str, extra: list, args, out_dir: Path) -> dict:

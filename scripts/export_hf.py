@@ -48,8 +48,8 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 
 import torch  # noqa: E402
 
-from model.hf import (ARCHITECTURES, HFError, export_problems, first_non_finite, hf_config, hf_model_type,  # noqa: E402
-                      model_config, to_hf)
+from model.hf import (ARCHITECTURES, HFError, check_output_dir, export_problems, first_non_finite,  # noqa: E402
+                      hf_config, hf_model_type, model_config, to_hf)
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -294,13 +294,7 @@ def check_output(out: Path, force: bool, step_dir: Path) -> Path:
     export: ``--force`` replaces the whole directory, so one holding anything an export does not write (notes, a
     checkpoint, a repository) or that is a place no export belongs (the root, a home directory, the repository, the
     current directory or one above it, the checkpoint's) is refused, naming what it holds."""
-    for parent in out.absolute().parents:  # the nearest one that exists must be a directory
-        if parent.exists():
-            if not parent.is_dir():
-                raise HFError(f"--output {out}: {parent} is not a directory")
-            break
-    if out.exists() and not out.is_dir():
-        raise HFError(f"--output {out} exists and is not a directory")
+    check_output_dir(out)
     real = Path(os.path.realpath(out))
     places = {Path("/"): "the root directory", Path(os.path.realpath(os.path.expanduser("~"))): "a home directory",
               Path(os.path.realpath(ROOT)): "this repository", Path(os.path.realpath(Path.cwd())): "the current "

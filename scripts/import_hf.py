@@ -45,7 +45,7 @@ import torch  # noqa: E402
 import yaml  # noqa: E402
 
 from config import Config, to_dict  # noqa: E402
-from model.hf import HFError, from_hf, model_config, model_settings  # noqa: E402
+from model.hf import HFError, check_output_dir, from_hf, model_config, model_settings  # noqa: E402
 from training.checkpoint import FORMAT_VERSION, file_digest, model_record  # noqa: E402
 
 
@@ -183,13 +183,7 @@ def model_yaml(settings: Dict[str, Any], out: Path, tokenizer: Path | None) -> s
 def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, Any]:
     """Convert; returns the settings (the model section) written."""
     settings = model_settings(read_config(model_dir))
-    for parent in out.absolute().parents:  # the nearest one that exists must be a directory
-        if parent.exists():
-            if not parent.is_dir():
-                raise HFError(f"--output {out}: {parent} is not a directory")
-            break
-    if out.exists() and not out.is_dir():
-        raise HFError(f"--output {out} exists and is not a directory")
+    check_output_dir(out)
     if out.is_dir() and any(out.iterdir()) and not force:
         raise HFError(f"--output {out} is not empty (pass --force to write into it)")
     tensors = from_hf(read_weights(model_dir), settings)

@@ -24,10 +24,14 @@ file.
 from __future__ import annotations
 
 import argparse
-import json
+import os
 import sys
 from pathlib import Path
 from typing import Callable, Dict, List, Optional
+
+if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # _cli beside this file, however it is loaded
+    sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+from _cli import json_line  # noqa: E402
 
 Series = Dict[int, float]  # step -> value
 
@@ -57,18 +61,7 @@ def lookup(record: dict, metric: str) -> Optional[float]:
 
 def _parse(line: bytes) -> dict:
     """One metrics.jsonl line as a record; ValueError saying what is wrong with it."""
-    try:
-        text = line.decode("utf-8")
-    except UnicodeDecodeError as e:
-        raise ValueError(f"binary data, not a JSON line (byte {e.start + 1} of the line is not UTF-8)") from None
-    if "\x00" in text:
-        raise ValueError("binary data, not a JSON line (NUL bytes)")
-    try:
-        record = json.loads(text)
-    except RecursionError:
-        raise ValueError("malformed JSON line (nested too deeply)") from None
-    except ValueError as e:
-        raise ValueError(f"malformed JSON line ({e})") from None
+    record = json_line(line)
     if not isinstance(record, dict):
         raise ValueError(f"expected a JSON object, got {type(record).__name__}")
     return record

@@ -110,8 +110,10 @@ def train_worker(overrides: List[str], steps: int):
             "released_bytes": released}
 
 
-def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_dir: str):
-    """Train to ``steps`` (resuming from ckpt_dir when start_from == 'resume'); save at the end if 'fresh'."""
+def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_dir: str, validate_after=()):
+    """Train to ``steps`` (resuming from ckpt_dir when start_from == 'resume'); save at the end if 'fresh'. Losses by
+    the step index (0 = the first step); a validation pass after the steps that reach ``validate_after`` (its loss
+    as ``val<step reached>``)."""
     from training.checkpoint import Checkpointer
 
     cfg = tiny_config(*overrides)
@@ -123,6 +125,8 @@ def checkpoint_worker(overrides: List[str], start_from: str, steps: int, ckpt_di
     while engine.step < steps:
         step = engine.step
         losses[step] = engine.train_step(batch_fn(engine, step))["loss"]
+        if engine.step in validate_after:
+            losses[f"val{engine.step}"] = engine.eval_loss(batch_fn(engine, 1000 + engine.step))
     if start_from == "fresh":
         ckpt.save(engine.step, engine.step * cfg.train.global_batch_size)
     return losses

@@ -32,6 +32,9 @@ ROOT = Path(__file__).resolve().parents[1]
 CASES = ("missing", "wrong_kind", "binary", "malformed")
 TIMEOUT_S = 180  # a case takes seconds (an interpreter importing torch at most); a loaded machine gets slack
 MALFORMED_OVERRIDE = "model.n_layers=[unclosed"
+# the four cases of a script that takes train.py's key=value overrides (the data and tokenizer they name)
+DATA_OVERRIDES = {"missing": ["data.paths=[!{absent}]"], "wrong_kind": ["data.tokenizer=!{dir}"],
+                  "binary": ["data.tokenizer=!{binary}"], "malformed": ["!" + MALFORMED_OVERRIDE]}
 
 # script -> case -> argv. "{name}" is a path made by ``hostile_files``; the argument marked with "!" is the hostile
 # one: the error line must name it (the first path in it, or the whole argument when it has none). An element
@@ -104,17 +107,11 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "no_rank_files": ["!{dir}"],
     },
     "convergence_fp8.py": {
-        "missing": ["data.paths=[!{absent}]"],
-        "wrong_kind": ["data.tokenizer=!{dir}"],
-        "binary": ["data.tokenizer=!{binary}"],
-        "malformed": ["!" + MALFORMED_OVERRIDE],
+        **DATA_OVERRIDES,
         "out_is_a_file": ["--out", "!{text}"],
     },
     "convergence_zeropp.py": {
-        "missing": ["data.paths=[!{absent}]"],
-        "wrong_kind": ["data.tokenizer=!{dir}"],
-        "binary": ["data.tokenizer=!{binary}"],
-        "malformed": ["!" + MALFORMED_OVERRIDE],
+        **DATA_OVERRIDES,
         "out_is_a_file": ["--out", "!{text}"],
     },
     "estimate_memory.py": {
@@ -132,10 +129,7 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "malformed": ["--checkpoint", "!{ckpt_malformed}", "--output", "{tmp}/export"],
     },
     "fsdp2_peer.py": {
-        "missing": ["data.paths=[!{absent}]"],
-        "wrong_kind": ["data.tokenizer=!{dir}"],
-        "binary": ["data.tokenizer=!{binary}"],
-        "malformed": ["!" + MALFORMED_OVERRIDE],
+        **DATA_OVERRIDES,
     },
     "generate.py": {
         "missing": ["--checkpoint", "!{absent}"],

@@ -226,26 +226,6 @@ def test_qwd_checkpoints_resume_bit_for_bit(tmp_path, stage):
         assert loss == uninterrupted[step], (step, loss, uninterrupted[step])
 
 
-def qwd_resume_worker(overrides, start_from, steps, ckpt_dir, validate_after):
-    """Train to ``steps`` with a validation pass after each step in ``validate_after``; returns the losses by the step
-    number reached (``val<step>`` for a validation's); resume from ckpt_dir first when start_from == 'resume'; save at the end when 'fresh'."""
-    from training.checkpoint import Checkpointer
-
-    cfg = tiny_config(*overrides)
-    engine = build_engine(cfg)
-    ckpt = Checkpointer(cfg, ckpt_dir, engine)
-    if start_from == "resume":
-        ckpt.load(ckpt.find_resumable())
-    losses = {}
-    while engine.step < steps:
-        losses[engine.step] = engine.train_step(batch_fn(engine, engine.step))["loss"]
-        if engine.step in validate_after:
-            losses[f"val{engine.step}"] = engine.eval_loss(batch_fn(engine, 1000 + engine.step))
-    if start_from == "fresh":
-        ckpt.save(engine.step, engine.step * cfg.train.global_batch_size)
-    return losses
-
-
 QWD_FP32 = {stage: NODES + ["precision=fp32", f"zero.stage={stage}"] + QWD4 + (["zero.hpz_size=2"] if stage == 3 else [])
             for stage in (1, 2, 3)}
 
@@ -255,14 +235,14 @@ def test_qwd_checkpoints_of_every_stage_resume_at_every_other_stage(tmp_path):
     its differences not yet sent) resumed at stages 1-2, and stage-1/2 checkpoints resumed at the other stages, all
     continue on the uninterrupted curve, bit for bit (fp32: the three stages train identically, checked first). The
     bug this guards against: stages 1-2 read a stage-3 reference as the weights to run on, one step old."""
-    uninterrupted = {stage: run_world(qwd_resume_worker, 4, QWD_FP32[stage], "none", 4, "/nonexistent", ())[0]
+    uninterrupted = {stage: run_world(checkpoint_worker, 4, QWD_FP32[stage], "none", 4, "/nonexistent", ())[0]
                      for stage in (1, 2, 3)}
     assert uninterrupted[1] == uninterrupted[2] == uninterrupted[3], uninterrupted
     for saved in (1, 2, 3):
-        run_world(qwd_resume_worker, 4, QWD_FP32[saved], "fresh", 2, str(tmp_path / str(saved)), ())
+        run_world(checkpoint_worker, 4, QWD_FP32[saved], "fresh", 2, str(tmp_path / str(saved)), ())
         for resumed in {1, 2, 3} - {saved}:
-            out = run_world(qwd_resume_worker, 4, QWD_FP32[resumed], "resume", 4, str(tmp_path / str(saved)), ())[0]
-            assert out == {3: uninterrupted[1][3], 4: uninterrupted[1][4]}, (saved, resumed, out, uninterrupted[1])
+            out = run_world(checkpoint_worker, 4, QWD_FP32[resumed], "resume", 4, str(tmp_path / str(saved)), ())[0]
+            assert out == {2: uninterrupted[1][2], 3: uninterrupted[1][3]}, (saved, resumed, out, uninterrupted[1])
 
 
 @pytest.mark.parametrize("stage", [1, 2, 3])
@@ -271,10 +251,10 @@ def test_qwd_checkpoint_saved_after_a_validation_resumes_bit_for_bit(tmp_path, s
     differences and kept the secondary shards, so the uninterrupted run's next forward sends none; the resumed run
     must not either (it did: after_load forgot the secondary shards were current)."""
     overrides = NODES + ["model.tie_embeddings=true"] + SDP4[stage]
-    uninterrupted = run_world(qwd_resume_worker, 4, overrides, "none", 4, "/nonexistent", (2, 3))[0]
-    run_world(qwd_resume_worker, 4, overrides, "fresh", 2, str(tmp_path), (2,))
-    resumed = run_world(qwd_resume_worker, 4, overrides, "resume", 4, str(tmp_path), (3,))[0]
-    assert resumed == {k: v for k, v in uninterrupted.items() if k not in (1, 2, "val2")}, (resumed, uninterrupted)
+    uninterrupted = run_world(checkpoint_worker, 4, overrides, "none", 4, "/nonexistent", (2, 3))[0]
+    run_world(checkpoint_worker, 4, overrides, "fresh", 2, str(tmp_path), (2,))
+    resumed = run_world(checkpoint_worker, 4, overrides, "resume", 4, str(tmp_path), (3,))[0]
+    assert resumed == {k: v for k, v in uninterrupted.items() if k not in (0, 1, "val2")}, (resumed, uninterrupted)
 
 
 # -- bad combinations: one line naming the keys ---------------------------------------------------------------
