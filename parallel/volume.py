@@ -50,14 +50,16 @@ def _ring(n: int) -> float:
 
 
 def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,
-               first_step: bool = False, stop_flags: int = 0) -> Dict[str, float]:
+               first_step: bool = False, stop_flags: int = 0, early: bool = False) -> Dict[str, float]:
     """Bytes this rank sends in one training step, by group name.
 
     ``stop_flags``: values the caller adds to the step's scalar all-reduce (the trainer: ``STOP_FLAGS``; a bare
     ``Engine.train_step``: none).
     ``secondary_valid``: ZeRO-3 with hpZ, a validation pass ran since the last optimizer step and built the
     secondary copies, so this step gathers only from them (``zero_step_bytes``). ``first_step``: the first step
-    of a run (or after a resume without qWD's reconstructed weights), where ZeRO-3's qWD gathers exactly."""
+    of a run (or after a resume without qWD's reconstructed weights), where ZeRO-3's qWD gathers exactly.
+    ``early``: the previous optimizer step kept its early gathers (``zero.early_step``,
+    ``ZeroDataParallel.last_early``), which this step's forward uses (``zero_step_bytes``)."""
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[cfg.precision]
     s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model
@@ -117,7 +119,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
         if m.tie_embeddings and pp > 1 and (0 in stages or last_v in stages):
             out["embedding"] += _ring(2) * 4 * m.vocab_size * h / t
     else:
-        for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid, first_step).items():
+        for group, nbytes in zero_step_bytes(cfg, layout, rank, secondary_valid, first_step, early).items():
             out[group] += nbytes
     norm_terms = 3 if fp8 else 1
     out["world"] += _ring(layout.world_size) * 8 * (1 + norm_terms + stop_flags)
@@ -125,7 +127,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
 
 
 def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,
-                    first_step: bool = False) -> Dict[str, float]:
+                    first_step: bool = False, early: bool = False) -> Dict[str, float]:
     """ZeRO 1-3 traffic of one step, per unit (``parallel/zero/units.py``) with S its padded shard:
 
       stages 1-2  reduce-scatter (N-1) S e_r once (qgZ: below), all-gather of the updated parameters
@@ -140,7 +142,11 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                   (H-1) N S / H e_c on dp_hpz; with ``secondary_valid`` (a validation pass since the last step
                   built the secondary copies) the first one too; qWD (with hpZ): the first gather sends the
                   quantized differences (the qwZ bytes) plus one secondary gather (dp_hpz) of the previous
-                  weights, except in the ``first_step``, an exact (N-1) S e_c gather on dp;
+                  weights, except in the ``first_step``, an exact (N-1) S e_c gather on dp; ``early`` (the
+                  previous step kept its early step, zero.early_step): the units of the first
+                  zero.prefetch_depth + 1 modules of the first chunk were gathered from the primary shards
+                  into the secondary copies during the previous backward (counted here, in the step whose
+                  forward uses them) and every gather of them in this step, the first too, is inside the node;
                   qgZ (stages 1-3): units of at least qgz_min_numel elements reduce by the two all-to-alls
                   (dp_intra at zero.gradient_bits_intra, dp_inter at zero.gradient_bits) of ``QgzPlan`` instead
                   of the reduce-scatter
@@ -163,8 +169,9 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
     x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
-    for chunk in meta_chunks(cfg, layout, pp_rank):
+    for c, chunk in enumerate(meta_chunks(cfg, layout, pp_rank)):
         units, uses = chunk_units(chunk)
+        ahead = early_units(cfg, uses) if early and c == 0 else set()
         for k, unit in enumerate(units):
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
@@ -177,7 +184,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                 out["dp"] += reduces * (n - 1) * s * e_r
             if z.stage == 3:
                 gathers = mb * _stage3_gather_count(k, uses)
-                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y, first_step).items():
+                for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y, first_step,
+                                                     k in ahead).items():
                     out[group] += nbytes
             elif qwz and n > 1:
                 for group, nbytes in qwz_gather_bytes(s, n, qwz, x, y).items():
@@ -191,6 +199,15 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     return dict(out)
 
 
+def early_units(cfg: Config, uses) -> set:
+    """Indices of the units ZeRO-3's early step covers (``zero.early_step``; ``ZeroDataParallel._next_forward_units``):
+    those of the first zero.prefetch_depth + 1 modules of a chunk's forward (none without prefetch)."""
+    z = cfg.zero
+    if not (z.early_step and z.stage == 3 and z.hpz_size > 1 and not z.weight_delta and z.prefetch):
+        return set()
+    return {k for use in uses[:z.prefetch_depth + 1] for k in use.units}
+
+
 def _stage3_gather_count(k: int, uses) -> int:
     """Stage-3 gathers of unit ``k`` per micro-batch: one per module that uses it in forward, and one for backward
     if any of them reads its weights there (an embedding lookup's backward does not)."""
@@ -199,12 +216,13 @@ def _stage3_gather_count(k: int, uses) -> int:
 
 
 def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: bool, x: int,
-                    y: int, first_step: bool = False) -> Dict[str, float]:
+                    y: int, first_step: bool = False, early: bool = False) -> Dict[str, float]:
     """``gathers`` stage-3 gathers of a unit with shards of ``s`` elements over ``n`` = x * y DP ranks (x a node),
     by group: from the primary shards (qwZ: quantized, two hops where x > 1 and y > 1; qWD: the quantized
     differences plus the node's secondary copies of the previous weights, or exact in the ``first_step``), or
     with hpZ the first from them (none if ``secondary_valid``), the rest from the secondary copies inside the
-    node."""
+    node; ``early``: one from the primary shards (the previous step's early gather into the secondary copies)
+    and all ``gathers`` from the secondary copies."""
     from parallel.zero.zeropp import Quant, hpz_gather_bytes, qwz_gather_bytes
 
     z, e_c = cfg.zero, DTYPE_BYTES[cfg.precision]
@@ -218,7 +236,8 @@ def _stage3_gathers(cfg: Config, gathers: int, s: int, n: int, secondary_valid: 
     first = gathers if z.hpz_size == 1 else 0 if secondary_valid else min(1, gathers)
     out = {group: first * nbytes for group, nbytes in primary.items()}
     if z.hpz_size > 1:
-        out["dp_hpz"] = out.get("dp_hpz", 0) + (gathers - first) * hpz_gather_bytes(n * s, z.hpz_size, e_c)
+        inside = gathers if early and first else gathers - first
+        out["dp_hpz"] = out.get("dp_hpz", 0) + inside * hpz_gather_bytes(n * s, z.hpz_size, e_c)
     return out
 
 
@@ -233,12 +252,14 @@ def _fp8_stage3_gathers(cfg: Config, unit, gathers: int, s: int, n: int, seconda
     return {"dp": first * payload, "dp_hpz": (gathers - first) * (h - 1) * (-(-total // h) + 4 * T)}
 
 
-def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_step: bool = True) -> Dict[str, float]:
+def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_step: bool = True,
+                            early: bool = False) -> Dict[str, float]:
     """ZeRO-3's weight gathers in one validation batch (a forward-only pass over the micro-batches: one gather
     per module use of a unit and micro-batch), by group. With hpZ, the pass that follows an optimizer step
     (``first_after_step``) gathers each unit once from the primary shards and keeps the secondary copy; every
-    other gather of it, and all of a later pass before the next step, is inside the node. Empty below stage 3
-    (the parameters stay whole between steps)."""
+    other gather of it, and all of a later pass before the next step, is inside the node (``early``: the step kept
+    its early gathers, counted by the first pass after it, whose gathers of those units are all inside the node).
+    Empty below stage 3 (the parameters stay whole between steps)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
 
@@ -248,13 +269,14 @@ def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_
     if z.stage != 3:
         return {}
     fp8 = cfg.precision == "fp8"
-    for chunk in meta_chunks(cfg, layout, layout.coords(rank)[0]):
+    for c, chunk in enumerate(meta_chunks(cfg, layout, layout.coords(rank)[0])):
         units, uses = chunk_units(chunk)
+        ahead = early_units(cfg, uses) if early and c == 0 and not fp8 else set()
         for k, unit in enumerate(units):
             s = shard_layout([p.numel() for p in unit.params], n, "whole_tensor" if fp8 else z.partition).shard_size
             gathers = layout.num_microbatches * sum(k in use.units for use in uses)
             gathered = (_fp8_stage3_gathers(cfg, unit, gathers, s, n, not first_after_step) if fp8
-                        else _stage3_gathers(cfg, gathers, s, n, not first_after_step, x, y))
+                        else _stage3_gathers(cfg, gathers, s, n, not first_after_step, x, y, early=k in ahead))
             for group, nbytes in gathered.items():
                 out[group] += nbytes
     return {g: v for g, v in out.items() if v}

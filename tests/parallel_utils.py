@@ -97,6 +97,7 @@ def train_worker(overrides: List[str], steps: int):
     losses, norms, grads = [], [], None
     for step in range(steps):
         engine.mesh.ledger.reset()
+        early = getattr(engine.dp, "last_early", False)  # the last step's forward uses early gathers (volume.py)
         stats = engine.train_step(batch_fn(engine, step))
         comm = engine.mesh.ledger.snapshot()  # the last step's traffic, before any test-only gathering
         losses.append(stats["loss"])
@@ -106,7 +107,7 @@ def train_worker(overrides: List[str], steps: int):
     released = engine.runner.released_bytes
     val_loss = engine.eval_loss(batch_fn(engine, 1000))  # forward-only schedule on held-out samples
     return {"losses": losses, "grad_norms": norms, "grads": grads, "max_in_flight": engine.runner.max_in_flight,
-            "comm": comm, "val_loss": val_loss,
+            "comm": comm, "early": early, "val_loss": val_loss,
             "released_bytes": released}
 
 

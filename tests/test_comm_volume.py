@@ -35,7 +35,7 @@ def assert_counted_equals_analytic(out, overrides, world):
     layout = make_layout(cfg, world, cfg.parallel.ranks_per_node or world)
     for rank, result in enumerate(out):
         counted = result["comm"]["by_group"]
-        analytic = step_bytes(cfg, layout, rank)
+        analytic = step_bytes(cfg, layout, rank, early=result.get("early", False))
         assert set(counted) == {g for g, v in analytic.items() if v > 0}, (rank, counted, analytic)
         for group, n in analytic.items():
             assert abs(counted.get(group, 0) - n) <= 16, f"rank {rank} {group}: counted {counted.get(group)} vs {n}"

@@ -128,6 +128,9 @@ class Engine:
         waits on, on the slowest link: one instead of one per scalar): the loss, the strategy's norm terms
         (``dp.norm_terms``) and ``extra()``'s values, if given (the trainer's stop flags, evaluated then), whose
         sums come back as ``stats["extra"]``."""
+        lr = self.lr_schedule(self.step)
+        if isinstance(self.dp, ZeroDataParallel):  # zero.early_step: what the step will use, known before backward
+            self.dp.plan_step(lr, self.scaler.scale)
         losses = self.forward_backward(batch)
         terms = self.dp.norm_terms()
         mine = [self._loss_term(losses), terms]
@@ -137,7 +140,6 @@ class Engine:
         totals = torch.cat(mine)
         comm.all_reduce(totals, self.mesh.world)
         loss = totals[0].item() / self.mesh.layout.dp
-        lr = self.lr_schedule(self.step)
         norm, finite = self.dp.clip(self.scaler.scale, self.cfg.train.grad_clip, totals[1:1 + terms.numel()])
         comm.mark("step")
         if finite:

@@ -179,6 +179,9 @@ class Unit:
 
 
 class ZeroDataParallel:
+    # zero.early_step's state where it never applies (FP8-LM's stage 3, ``fp8/zero.py``, builds its own units)
+    early, last_early, _plan, _early, _landing = False, False, None, {}, {}
+
     def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
         z = cfg.zero
         self.cfg, self.mesh, self.stage = cfg, mesh, z.stage
@@ -197,6 +200,16 @@ class ZeroDataParallel:
         self.weight_delta = z.weight_delta
         self.qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.gradient_bits_intra else None
         self.in_flight = z.reduce_in_flight
+        # zero.early_step (see _early_step): stage 3 with hpZ secondary shards to gather into, not qWD (whose
+        # differences are taken against the secondary copies an early gather overwrites)
+        self.early = z.early_step and self.stage == 3 and self.hpz is not None and not z.weight_delta
+        self._plan: Optional[Tuple[float, float]] = None  # this step's (lr, gradient factor) if it steps early
+        self._early_units: set = set()  # ids of the units that step early: the next forward's first modules'
+        self._bites = False  # the last step's clip (or an overflow) bit: the next one does not step early
+        self._early: Dict[int, list] = {}  # id(unit) -> [unit, gather in flight or None, its ledger records]
+        self._landing: Dict[int, Tuple[Unit, object]] = {}  # kept early gathers still in flight after the step
+        self.early_kept = self.early_discarded = 0  # steps whose early work was kept / thrown away
+        self.last_early = False  # the last optimizer step kept its early gathers (the next forward uses them)
         self.sampling = False  # this step measures the quantization error (``quant_error``)
         self._qerr = torch.zeros(4, dtype=torch.float64, device=mesh.device)  # weights err, ref; gradients err, ref
         tie = cfg.model.tie_embeddings and mesh.layout.pp > 1
@@ -247,6 +260,8 @@ class ZeroDataParallel:
 
     # -- gradients ----------------------------------------------------------------------------------
     def zero_grad(self) -> None:
+        if self._early:  # a step whose early work was never decided (no clip call): thrown away
+            self._discard_early()
         for u in self.units:
             u.arrived, u.reduced = 0, False
             if self.stage == 1:
@@ -308,6 +323,9 @@ class ZeroDataParallel:
             work.wait()
             if self.stage == 3:
                 unit.grad_shard.add_(out)
+                if (self._plan is not None and id(unit) in self._early_units
+                        and self._syncing[self._chunk_of[id(unit)]]):
+                    self._early_step(unit)  # the last backward's reduce: the shard is final
             elif self.stage == 1:
                 unit.grad_shard.copy_(out)
             if self.stage >= 2:
@@ -349,10 +367,14 @@ class ZeroDataParallel:
     def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
         """The clip factor ``step`` applies, given ``norm_terms`` summed over the world."""
         norm = unscaled_norm(terms[0].item(), loss_scale)
-        if not math.isfinite(norm):
-            return norm, False
-        self._factor = grad_factor(norm, loss_scale, max_norm)
-        return norm, True
+        planned, self._plan = self._plan, None
+        finite = math.isfinite(norm)
+        if finite:
+            self._factor = grad_factor(norm, loss_scale, max_norm)
+        self._bites = not finite or self._factor != grad_factor(0.0, loss_scale, 0.0)
+        if self._early and (not finite or planned is None or self._factor != planned[1]):
+            self._discard_early()  # the step's factor is not the one the early step assumed
+        return norm, finite
 
     @torch.no_grad()
     def step(self, lr: float) -> None:
@@ -371,13 +393,23 @@ class ZeroDataParallel:
                 u.shard.copy_(u.master)
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
                 comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
-            u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
+            early = self._early.get(id(u))
+            if early is not None:  # the secondary shards hold (or are receiving) these weights already
+                u.secondary_valid, u.secondary_unmeasured = True, self.qwz is not None
+                u.ledger_held = early[2]  # counted when a forward uses them, as below
+            else:
+                u.secondary_valid = u.secondary_unmeasured = False  # hpZ: the next forward gathers the primary shards
             if any(u is a for a in ahead):  # stage 3: the next forward's first gathers leave now
                 with self.mesh.ledger.deferred() as held:  # counted in the step that uses them
                     self._start_gather(u)
-                u.ledger_held = held
+                u.ledger_held = (u.ledger_held or []) + held
         for work in gathers:  # all launched (two-hop ones by their thread, in this order); waited for in this order
             work.wait()
+        self.last_early = bool(self._early)
+        self.early_kept += self.last_early
+        # kept early gathers still in flight: waited for by their unit's next gather (_start_gather)
+        self._landing.update({k: (e[0], e[1]) for k, e in self._early.items() if e[1] is not None})
+        self._early.clear()
 
     def _next_forward_units(self) -> List[Unit]:
         """Stage 3 with prefetch: the units of the first ``zero.prefetch_depth`` + 1 modules of the recorded
@@ -396,6 +428,68 @@ class ZeroDataParallel:
             out += [u for u in use.units if all(u is not o for o in out)]
         return out
 
+    # -- early step (zero.early_step) ------------------------------------------------------------------
+    def plan_step(self, lr: float, loss_scale: float) -> None:
+        """The engine, before a training step's forward and backward: the learning rate its optimizer step will
+        use and the loss scale. With ``zero.early_step`` where it applies, and unless the last step's clip (or an
+        overflow) bit or this step samples the quantization error, this step's units step early."""
+        ok = self.early and not self._bites and not self.sampling and self.mesh.dp.size > 1
+        self._early_units = {id(u) for u in self._next_forward_units()} if ok else set()
+        self._plan = (lr, grad_factor(0.0, loss_scale, 0.0)) if self._early_units else None
+
+    @torch.no_grad()
+    def _early_step(self, unit: Unit) -> None:
+        """Step the unit's optimizer shard now, on copies, assuming the step's gradient factor is the unscale alone
+        (no clip), and gather the updated weights across nodes into the hpZ secondary shards while backward goes
+        on: the gather the next forward's first use would make from the primary shards, the same bits (``step``
+        then computes the same AdamW on the same inputs in place). ``clip`` decides: the factor it finds is the
+        assumed one (the clip did not bite, nothing overflowed), and ``step`` keeps the secondary copies
+        (counted when a forward uses them, as the gathers the step starts); else ``_discard_early``. The unit's
+        backward is over (its gradient shard is final), so nothing of this step reads its secondary shard again.
+        Holds no gathered buffer with qwZ (the quantized pieces of the node's slice are dequantized straight into
+        the secondary shard); without it, one full buffer per gather in flight (in the working set)."""
+        lr, factor = self._plan
+        t = self.cfg.train
+        master, m, v = unit.master.clone(), unit.exp_avg.clone(), unit.exp_avg_sq.clone()
+        adamw_step(master, unit.grad_shard.float() * factor, m, v, unit.decay, self.optimizer_steps + 1, lr,
+                   t.beta1, t.beta2, t.eps, t.weight_decay)
+        del m, v
+        shard = master if self.compute_dtype == torch.float32 else master.to(self.compute_dtype)
+        with self.mesh.ledger.deferred() as held:
+            work = self._secondary_gather(unit, shard)
+        self._early[id(unit)] = [unit, work, held]
+        self._poll()
+
+    def _secondary_gather(self, unit: Unit, shard: torch.Tensor):
+        """Gather every rank's ``shard`` (the updated primary shards) and keep this rank's hpZ slice in the unit's
+        secondary shard: qwZ's gather, with only the slice's pieces dequantized, or a plain one into a buffer."""
+        per = self.mesh.dp.size // self.hpz.size  # the slice is the whole pieces of ``per`` DP ranks
+        rows = (self.hpz.rank * per, (self.hpz.rank + 1) * per)
+        if self.qwz is not None:
+            return QuantizedGather(unit.secondary, shard, self.mesh.dp, self.qwz, self.gather_route, rows=rows)
+        return _SliceGather(unit.secondary, shard, self.mesh.dp, rows, self.working)
+
+    def _settle_early(self, unit: Unit) -> None:
+        """Wait for the unit's early gather, if it is still in flight (its secondary shard is then whole)."""
+        landing = self._landing.pop(id(unit), None)
+        if landing is not None:
+            landing[1].wait()
+        early = self._early.get(id(unit))  # (the optimizer step keeps it and starts the unit's gather)
+        if early is not None and early[1] is not None:
+            early[1].wait()
+            early[1] = None
+
+    def _discard_early(self) -> None:
+        """The step's factor is not the assumed one: the early gathers (waited for: every rank is in them) never
+        happened as far as the model is concerned; their secondary shards hold weights no step made, so the next
+        forward gathers from the primary shards as after any step; their bytes are not counted (none used)."""
+        self.early_discarded += bool(self._early)
+        for unit, work, _ in self._early.values():
+            if work is not None:
+                work.wait()
+            unit.secondary_valid = unit.secondary_unmeasured = False
+        self._early.clear()
+
     def _quantized_step_gather(self) -> bool:
         """Stages 1-2 with qwZ: the post-step all-gather of the updated parameters is quantized."""
         return self.stage < 3 and self.qwz is not None and self.mesh.dp.size > 1
@@ -408,6 +502,7 @@ class ZeroDataParallel:
 
     # -- stage 3: gather before use, release after --------------------------------------------------
     def _start_gather(self, unit: Unit) -> None:
+        self._settle_early(unit)
         if unit.gathered or unit.gather_work is not None:
             return
         unit.full.untyped_storage().resize_(unit.full_bytes)
@@ -577,6 +672,9 @@ class ZeroDataParallel:
         parameters are the quantized gather of the master, as after every step."""
         if reference_kind not in ("applied", "pending"):
             raise ValueError(f"qWD reference kind must be applied or pending, got {reference_kind!r}")
+        self._discard_early()
+        for unit in list(u for u, _ in self._landing.values()):
+            self._settle_early(unit)
         quantized = self._quantized_step_gather()
         for u in self.units:  # (stages 1-2 qWD with the reference loaded: the shard holds that reference)
             if u.shard is not u.master and not (quantized and self.weight_delta and reference_loaded):
@@ -639,3 +737,23 @@ class ZeroDataParallel:
 def _in_backward() -> bool:
     """True inside an autograd backward pass (e.g. during activation recomputation)."""
     return torch._C._current_graph_task_id() != -1
+
+
+class _SliceGather:
+    """An all-gather of every rank's shard of a unit into a full buffer (counted in the working set while in
+    flight) of which ``wait`` keeps the pieces of DP ranks ``rows`` in ``out`` (``ZeroDataParallel._early_step``
+    without qwZ)."""
+
+    def __init__(self, out: torch.Tensor, shard: torch.Tensor, group: comm.Group, rows: Tuple[int, int],
+                 working: Working):
+        self.out, self.rows, self.working = out, rows, working
+        self.full = torch.empty(group.size * shard.numel(), dtype=shard.dtype, device=shard.device)
+        working.add(self.full.numel() * self.full.element_size())
+        self.work = comm.all_gather(self.full, shard, group, async_op=True)
+
+    def wait(self) -> None:
+        self.work.wait()
+        per = self.out.numel() // (self.rows[1] - self.rows[0])
+        self.out.copy_(self.full[self.rows[0] * per:self.rows[1] * per])
+        self.working.sub(self.full.numel() * self.full.element_size())
+        self.full = None

@@ -205,11 +205,13 @@ class QuantizedGather:
     the gather starts).
 
     ``add``: the shards are differences (qWD), and ``wait`` adds them to what ``full`` holds (in fp32, one
-    rounding to ``full``'s dtype) instead of overwriting it."""
+    rounding to ``full``'s dtype) instead of overwriting it. ``rows`` = (a, b): ``full`` receives only the pieces
+    of DP ranks a..b-1 (the rest are received but not dequantized; ZeRO-3's early step fills a secondary shard)."""
 
     def __init__(self, full: torch.Tensor, shard: torch.Tensor, group: comm.Group, q: Quant,
-                 route: Optional[GatherRoute] = None, add: bool = False):
+                 route: Optional[GatherRoute] = None, add: bool = False, rows: Optional[Tuple[int, int]] = None):
         self.full, self.q, self.n, self.g, self.route, self.add = full, q, shard.numel(), group.size, route, add
+        self.rows = rows
         self.ops = quant_ops(shard.device)
         payload, scales = self.ops.quantize_blockwise(shard, q.bits, q.block)
         self.payload_bytes = payload.numel()
@@ -250,15 +252,19 @@ class QuantizedGather:
         self.work.wait()
         self.send = None
         rows = self.recv.view(self.g, -1)
-        if self.route is not None:  # row r <- DP rank r's piece (bytes: cheaper to move than the values)
-            rows = rows[list(self.route.order)]
+        order = list(self.route.order) if self.route is not None else list(range(self.g))
+        if self.rows is not None:
+            order = order[self.rows[0]:self.rows[1]]
+        if order != list(range(self.g)):  # row r <- DP rank r's piece (bytes: cheaper to move than the values)
+            rows = rows[order]
+        g = len(order)
         payloads, scales = _unpack(rows, self.payload_bytes)
         nb = scales.shape[1]
         dtype = torch.float32 if self.add else self.full.dtype
         values = self.ops.dequantize_blockwise(payloads.reshape(-1), scales.reshape(-1), self.q.bits, self.q.block,
-                                               self.g * nb * self.q.block, dtype)
-        values = values.view(self.g, nb * self.q.block)[:, :self.n]
-        full = self.full.view(self.g, self.n)
+                                               g * nb * self.q.block, dtype)
+        values = values.view(g, nb * self.q.block)[:, :self.n]
+        full = self.full.view(g, self.n)
         full.copy_(full.float() + values if self.add else values)
         self.recv = None
 

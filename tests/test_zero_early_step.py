@@ -1,0 +1,88 @@
+"""ZeRO-3's early step (``zero.early_step``, parallel/zero/sharded.py): each unit of the next forward's first
+modules steps as soon as its gradient shard is final and its updated weights cross nodes into the hpZ secondary
+shards while backward goes on. Reference: the same run with ``zero.early_step=false`` (itself tested against
+plain ZeRO-3 and one process in tests/test_zeropp.py and tests/test_zero.py): every loss, gradient norm,
+validation loss and master weight equal bit for bit, whether the early work is kept (the clip does not bite) or
+thrown away (it does), and every step's counted bytes equal the analytic ones (parallel/volume.py, ``early``)."""
+import pytest
+import torch
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import batch_fn, build_engine, tiny_config
+from tests.test_comm_volume import assert_counted_equals_analytic
+
+NODES = ["parallel.ranks_per_node=2"]
+ZEROPP = NODES + ["zero.stage=3", "zero.quantized_weights=true", "zero.hpz_size=2", "zero.quantized_gradients=true"]
+STEPS = 4
+
+
+def early_worker(overrides, steps):
+    cfg = tiny_config(*overrides)
+    engine = build_engine(cfg)
+    losses, norms, comms, early = [], [], [], []
+    for step in range(steps):
+        engine.mesh.ledger.reset()
+        early.append(engine.dp.last_early)  # this step's forward uses the last step's early gathers
+        stats = engine.train_step(batch_fn(engine, step))
+        comms.append(engine.mesh.ledger.snapshot())
+        losses.append(stats["loss"])
+        norms.append(stats["grad_norm"])
+    val = engine.eval_loss(batch_fn(engine, 1000))
+    return {"losses": losses, "norms": norms, "val": val, "comms": comms, "early": early,
+            "masters": [u.master.clone() for u in engine.dp.units],
+            "kept": engine.dp.early_kept, "discarded": engine.dp.early_discarded}
+
+
+def compare(overrides, world=4, steps=STEPS):
+    on = run_world(early_worker, world, overrides + ["zero.early_step=true"], steps)
+    off = run_world(early_worker, world, overrides + ["zero.early_step=false"], steps)
+    for a, b in zip(on, off):
+        assert a["losses"] == b["losses"] and a["norms"] == b["norms"] and a["val"] == b["val"]
+        assert all(torch.equal(x, y) for x, y in zip(a["masters"], b["masters"]))
+        assert b["kept"] == b["discarded"] == 0
+    for k in range(steps):  # every step's bytes, with the forward on early gathers or not
+        assert_counted_equals_analytic([dict(comm=r["comms"][k], early=r["early"][k]) for r in on], overrides, world)
+    return on
+
+
+@pytest.mark.parametrize("precision", ["bf16", "fp32"])
+def test_early_step_is_exact_and_kept_when_the_clip_does_not_bite(precision):
+    on = compare(ZEROPP + [f"precision={precision}", "train.grad_clip=0"])
+    # the first step records the forward's order; every later one steps early and keeps it
+    assert on[0]["kept"] == STEPS - 1 and on[0]["discarded"] == 0
+    assert on[0]["early"] == [False, False] + [True] * (STEPS - 2)
+    later = on[0]["comms"][-1]["by_group"]
+    assert later["qwz_inter"] > 0 and later["dp_hpz"] > 0  # the early gathers are counted in the step using them
+
+
+def test_early_step_is_thrown_away_when_the_clip_bites_and_not_tried_after():
+    """The clip threshold between the first step's gradient norm and a later one's: the first steps keep their early
+    work, the first step whose norm exceeds the clip throws it away (its update differs), and the steps after a
+    clipped one do not try."""
+    ref = run_world(early_worker, 4, ZEROPP + ["precision=bf16", "train.grad_clip=0", "zero.early_step=false"], STEPS)
+    norms = ref[0]["norms"]
+    assert max(norms[1:]) > norms[0], norms
+    clip = (norms[0] + max(norms[1:])) / 2
+    on = compare(ZEROPP + ["precision=bf16", f"train.grad_clip={clip}"])
+    assert on[0]["kept"] >= 1 and on[0]["discarded"] == 1, (norms, clip, on[0]["kept"], on[0]["discarded"])
+
+
+def test_early_step_without_qwz_and_across_pipeline_stages():
+    """hpZ alone (a plain gather whose node slice is kept), and tp 2 x pp 2 x dp 2 (the first chunk's modules of each
+    stage) with ZeRO++."""
+    on = compare(NODES + ["zero.stage=3", "zero.hpz_size=2", "precision=fp32", "train.grad_clip=0"])
+    assert on[0]["kept"] == STEPS - 1
+    on = compare(["parallel.tp=2", "parallel.pp=2", "parallel.ranks_per_node=4", "train.global_batch_size=16",
+                  "zero.stage=3", "zero.quantized_weights=true", "zero.hpz_size=2", "zero.quantized_gradients=true",
+                  "precision=bf16", "train.grad_clip=0"], world=8, steps=3)
+    assert all(r["kept"] == 2 for r in on)
+
+
+def test_early_step_applies_only_to_stage_3_with_hpz_and_without_qwd():
+    for overrides in (["zero.stage=3"], ["zero.stage=2", "zero.quantized_weights=true"],
+                      ["zero.stage=3", "zero.hpz_size=2", "zero.quantized_weights=true", "zero.weight_bits=4",
+                       "zero.weight_delta=true"]):
+        cfg = tiny_config(*NODES, *overrides)
+        assert cfg.zero.early_step  # the default: on where it applies
+        from parallel.volume import early_units
+        assert early_units(cfg, list(range(3))) == set()
