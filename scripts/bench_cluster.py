@@ -111,7 +111,7 @@ MODEL = ["model.n_layers=4", "model.d_model=256", "model.n_heads=4", "model.seq_
 def common_overrides(args, run_dir: Path, world: int) -> List[str]:
     return (["precision=bf16", "device=cpu", "parallel.tp=1", "parallel.pp=1",
              f"train.global_batch_size={2 * world}", "train.micro_batch_size=2"] + MODEL
-            + [f"train.max_steps={args.steps}", "train.eval_interval=0", "checkpoint.interval=0",
+            + [f"train.max_steps={args.steps}", f"train.grad_clip={args.grad_clip}", "train.eval_interval=0", "checkpoint.interval=0",
                "checkpoint.save_at_exit=false", "logging.interval=1", "logging.wandb.mode=disabled",
                f"logging.run_dir={run_dir}"] + [kv for group in args.model for kv in group])
 
@@ -314,13 +314,34 @@ def _time_cell(median: float, rounds: List[dict], time_key: str, error_key: str)
     return cell
 
 
+def _rounds(rounds: List[dict]) -> str:
+    """Each round's overlap ratio, when there are several: ' (rounds 1.12, 1.15)'."""
+    ratios = [x.get("overlap_ratio") for x in rounds]
+    if len(ratios) < 2 or any(x is None for x in ratios):
+        return ""
+    return " (rounds " + ", ".join(f"{x:.2f}" for x in ratios) + ")"
+
+
+def calibrated_cells(cal: Optional[dict]) -> Tuple[str, str]:
+    """The calibrated point's two cells: 'rate, step, bound' and the ratio (with each round's); '-' when that
+    pass did not run, the error when it failed."""
+    if cal is None:
+        return "-", "-"
+    if "error" in cal:
+        return f"failed: {cal['error']}", "-"
+    ratio = f"{cal['overlap_ratio']:.2f}" if cal.get("overlap_ratio") is not None else "-"
+    return (f"{cal['rate_bps'] / 1e6:.1f}, {cal['step_time_s']:.3f}, {cal['lower_bound_s']:.3f}",
+            ratio + _rounds(cal["rounds"]))
+
+
 def table(results: List[dict], cluster: Optional[netemu.Cluster] = None, args=None) -> str:
     """The rows' table, the speed-up lines under it (:func:`summary_lines`) and rank 0's bytes by kind."""
     base = next((r for r in results if r["row"] == "zero3" and "error" not in r), None)
     head = ("| row | step (s, shaped, median, spread) | unshaped step (s) | bound (s) | step / max(unshaped, bound) "
+            "| calibrated: rate Mbit/s, step s, bound s | calibrated: step / max(unshaped, bound) "
             "| tokens/s | counted inter MiB/step | wire inter MiB/step | wire / counted | counted vs ZeRO-3 "
             "| wire vs ZeRO-3 |")
-    ncol = 11
+    ncol = 13
     lines = [head, "|" + "---|" * ncol]
     for r in results:
         if "error" in r:
@@ -334,8 +355,9 @@ def table(results: List[dict], cluster: Optional[netemu.Cluster] = None, args=No
             ushaped = _time_cell(r["unshaped_step_time_s"], rounds, "unshaped_step_time_s", "unshaped_error")
         else:
             ushaped = f"failed: {r['unshaped_error']}" if r.get("unshaped_error") else "-"
-        ratio = f"{r['overlap_ratio']:.2f}" if r.get("overlap_ratio") is not None else "-"
-        lines.append(f"| {r['what']} | {step} | {ushaped} | {r['lower_bound_s']:.3f} | {ratio} "
+        ratio = f"{r['overlap_ratio']:.2f}" + _rounds(r.get("rounds", [])) if r.get("overlap_ratio") is not None else "-"
+        cal, cal_ratio = calibrated_cells(r.get("calibrated"))
+        lines.append(f"| {r['what']} | {step} | {ushaped} | {r['lower_bound_s']:.3f} | {ratio} | {cal} | {cal_ratio} "
                      f"| {r['tokens_per_s']:.0f} | {mib(r['counted_inter_bytes'])} ({r['counted_how']}) "
                      f"| {mib(r['wire_bytes'])} | {r['wire_bytes'] / r['counted_inter_bytes']:.3f} | {cv} | {wv} |")
     summary = summary_lines(results)
@@ -371,8 +393,13 @@ def header(cluster: netemu.Cluster, args) -> str:
         lines.append("unshaped = the same row with the links' tbf removed (compute + local overhead, the veth "
                      "limited by the CPU only); step / max(unshaped, bound): 1.00 = communication fully "
                      "overlapped, higher = time neither compute nor the wire explains")
+        if args.calibrated:
+            lines.append("calibrated = the same row again with the link rate set to its busiest direction's bytes per "
+                         "step / its unshaped step (that round's), so that the bound equals the unshaped step: "
+                         "compute and wire the same size")
     else:
         lines.append("unshaped pass skipped (--no-unshaped)")
+    lines.append(f"gradient clip {args.grad_clip or 'off'} (train.grad_clip, every row)")
     return "\n".join(lines)
 
 
@@ -412,6 +439,14 @@ def parse_args(argv):
     p.add_argument("--no-unshaped", dest="unshaped", action="store_false",
                    help="skip the unshaped pass of every row (the same row with the links' shaping removed: its "
                         "step time is compute + local overhead); its columns then show '-'")
+    p.add_argument("--no-calibrated", dest="calibrated", action="store_false",
+                   help="skip the calibrated pass of every row: the same row again with the link rate set so that "
+                        "its wire bound equals its unshaped step (compute and wire the same size, the hardest case "
+                        "for overlap); needs the unshaped pass")
+    p.add_argument("--grad-clip", type=float, default=0.0,
+                   help="train.grad_clip of every row (FSDP2's too); default 0 = off: the steps of a pretraining "
+                        "run whose gradient norm stays under the clip, where ZeRO-3 with hpZ steps early "
+                        "(zero.early_step); a clip that bites makes those steps wait for the global norm")
     p.add_argument("--row-timeout", type=float, default=600.0)
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--probe", action="store_true", help="measure wire bytes per ledger byte of each collective")
@@ -431,6 +466,7 @@ def run_rows(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> 
     table_rows = rows_for(args.ranks_per_node)
     runs: Dict[str, List[dict]] = {n: [] for n in names}
     unshaped_runs: Dict[str, List[dict]] = {n: [] for n in names}
+    calibrated_runs: Dict[str, List[dict]] = {n: [] for n in names}
     for rep in range(args.repeat):
         for k, name in enumerate(names):
             passes = [False, True] if args.unshaped else [False]
@@ -446,13 +482,62 @@ def run_rows(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> 
                     r = run_row(cluster, table_rows[name], args, workdir, port, run_dir_name)
                 (unshaped_runs if unshaped else runs)[name].append(r)
                 label = f"{name}{' unshaped' if unshaped else ''}"
-                if "error" in r:
-                    print(f"[bench_cluster]   {label}: {r['error']}", flush=True)
+                report(label, r)
+            if args.unshaped and args.calibrated:
+                rate = calibrated_rate(runs[name][-1], unshaped_runs[name][-1])
+                if rate is None:
+                    r = {"error": "no calibrated pass: its shaped or unshaped pass failed"}
                 else:
-                    print(f"[bench_cluster]   {label}: {r['step_time_s']:.3f} s/step, counted "
-                          f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
-                          f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
-    return [combine(runs[n], unshaped_runs[n] if args.unshaped else None) for n in names]
+                    print(f"[bench_cluster] row {name} calibrated, {rate / 1e6:.1f} mbit"
+                          + (f" (round {rep + 1}/{args.repeat})" if args.repeat > 1 else "") + " ...", flush=True)
+                    port = MASTER_PORT + 2 * args.repeat * len(names) + rep * len(names) + k
+                    with cluster.at_rate(rate):
+                        r = run_row(cluster, table_rows[name], args, workdir, port,
+                                    (name if args.repeat == 1 else f"{name}.{rep}") + ".calibrated")
+                    r["rate_bps"] = rate
+                    report(f"{name} calibrated", r)
+                calibrated_runs[name].append(r)
+    return [with_calibrated(combine(runs[n], unshaped_runs[n] if args.unshaped else None),
+                            calibrated_runs[n] if args.unshaped and args.calibrated else None) for n in names]
+
+
+def report(label: str, r: dict) -> None:
+    if "error" in r:
+        print(f"[bench_cluster]   {label}: {r['error']}", flush=True)
+    else:
+        print(f"[bench_cluster]   {label}: {r['step_time_s']:.3f} s/step, counted "
+              f"{mib(r['counted_inter_bytes'])} MiB, wire {mib(r['wire_bytes'])} MiB per step, "
+              f"wall {r['wall_s']:.0f} s, load {r['loadavg']}", flush=True)
+
+
+def calibrated_rate(shaped: dict, unshaped: dict) -> Optional[float]:
+    """The link rate (bits/s) at which this row's wire bound equals its unshaped step: the busiest link
+    direction's bytes per step (from the shaped pass: the same bytes at any rate) over the unshaped step time,
+    the point where compute and wire are the same size (the hardest case for overlap). None if a pass failed."""
+    if "error" in shaped or "error" in unshaped or not unshaped["step_time_s"] > 0:
+        return None
+    return shaped["busiest_direction_bytes"] * 8 / unshaped["step_time_s"]
+
+
+def with_calibrated(out: dict, calibrated: Optional[List[dict]]) -> dict:
+    """A row's combined result with its calibrated passes (``calibrated``): the medians of their rate, step and
+    bound, the overlap ratio of those medians against the row's unshaped median, and each round's figures with
+    that round's ratio (against that round's unshaped step). Unchanged when there were none."""
+    if calibrated is None:
+        return out
+    cal: Dict[str, object] = {"rounds": []}
+    for c, rnd in zip(calibrated, out["rounds"]):
+        cal["rounds"].append({k: c.get(k) for k in ("rate_bps", "step_time_s", "lower_bound_s", "error")}
+                             | {"overlap_ratio": overlap_ratio(c.get("step_time_s"), rnd.get("unshaped_step_time_s"),
+                                                               c.get("lower_bound_s"))})
+    good = [c for c in calibrated if "error" not in c]
+    if good:
+        cal.update({k: statistics.median(c[k] for c in good) for k in ("rate_bps", "step_time_s", "lower_bound_s")})
+        cal["overlap_ratio"] = overlap_ratio(cal["step_time_s"], out.get("unshaped_step_time_s"), cal["lower_bound_s"])
+    else:
+        cal["error"] = calibrated[0]["error"]
+    out["calibrated"] = cal
+    return out
 
 
 def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int:

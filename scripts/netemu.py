@@ -449,6 +449,23 @@ class Cluster(_Managed):
         self.shaped = True
 
     @contextlib.contextmanager
+    def at_rate(self, rate_bps: float) -> Iterator["Cluster"]:
+        """The links shaped to ``rate_bps`` (bits/s, each direction) inside, to the cluster's own rate after (the
+        delay and framing unchanged); on an exception as :meth:`unshaped`."""
+        own = self.rate_bps
+        self.rate_bps = rate_bps
+        try:
+            self.reshape()
+            yield self
+        except BaseException:
+            self.rate_bps = own
+            with contextlib.suppress(NetemuError, subprocess.SubprocessError, OSError):
+                self.reshape()
+            raise
+        self.rate_bps = own
+        self.reshape()
+
+    @contextlib.contextmanager
     def unshaped(self) -> Iterator["Cluster"]:
         """The links unshaped inside, shaped again after. On an exception the reshaping is tried but its own
         failure is not raised over the exception's (the namespaces may be half gone; :meth:`remove` deletes

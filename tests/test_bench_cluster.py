@@ -317,7 +317,9 @@ def test_table_ratio_is_step_over_the_larger_of_unshaped_and_bound():
         us = [u for _, _, u in rounds]
         assert f"({min(us):.2f}-{max(us):.2f})" in cells[2]
         assert cells[3] == f"{bound:.3f}"
-        assert cells[4] == f"{ratio:.2f}"
+        assert cells[4].split()[0] == f"{ratio:.2f}"
+        if len(rounds) > 1:  # each round's ratio beside the median's
+            assert cells[4].endswith("(rounds " + ", ".join(f"{s / max(u, b):.2f}" for s, b, u in rounds) + ")")
     json.dumps(results)  # what --json writes
 
 
@@ -353,3 +355,30 @@ def test_without_the_unshaped_pass_its_columns_show_a_dash():
                               [_raw("zero3", what, 0, 0, script, error="boom") for _ in rounds])
     cells = _cells(bench_cluster.table([r]), what)
     assert re.match(r"failed: boom", cells[2]) and cells[4] == "-" and r["overlap_ratio"] is None
+
+
+def test_calibrated_point_sets_the_bound_to_the_unshaped_step_and_reports_its_ratio():
+    """The calibrated pass's rate makes the row's wire bound equal its unshaped step (busiest direction's bytes per
+    step x 8 / unshaped seconds); its cells are the medians of rate, step and bound and step / max(unshaped,
+    bound) with each round's ratio against that round's unshaped step; a failed pass shows its error."""
+    shaped = {"busiest_direction_bytes": 1.25e6, "step_time_s": 0.5}
+    assert bench_cluster.calibrated_rate(shaped, {"step_time_s": 0.25}) == pytest.approx(40e6)
+    assert bench_cluster.calibrated_rate(shaped, {"error": "boom"}) is None
+    assert bench_cluster.calibrated_rate({"error": "boom"}, {"step_time_s": 0.25}) is None
+    [row] = _synthetic(("zeropp",))
+    unshaped = [u for _, _, u in SYNTHETIC["zeropp"][2]]  # 0.91, 0.95
+    passes = [{"rate_bps": 40e6, "step_time_s": 1.10, "lower_bound_s": 0.90},
+              {"rate_bps": 44e6, "step_time_s": 1.20, "lower_bound_s": 0.96}]
+    out = bench_cluster.with_calibrated(dict(row), passes)
+    cal = out["calibrated"]
+    assert cal["rate_bps"] == pytest.approx(42e6) and cal["step_time_s"] == pytest.approx(1.15)
+    assert cal["overlap_ratio"] == pytest.approx(1.15 / max(row["unshaped_step_time_s"], 0.93))
+    assert [r["overlap_ratio"] for r in cal["rounds"]] == pytest.approx(
+        [1.10 / max(unshaped[0], 0.90), 1.20 / max(unshaped[1], 0.96)])
+    cells = _cells(bench_cluster.table([out]), row["what"])
+    assert cells[5] == "42.0, 1.150, 0.930"
+    assert cells[6].split()[0] == f"{cal['overlap_ratio']:.2f}"
+    failed = bench_cluster.with_calibrated(dict(row), [{"error": "boom"}, {"error": "boom"}])
+    assert _cells(bench_cluster.table([failed]), row["what"])[5] == "failed: boom"
+    assert bench_cluster.with_calibrated(dict(row), None) == row
+    json.dumps(out)
