@@ -278,7 +278,7 @@ def test_every_distributed_setting_is_reset_for_one_process():
             "quantized_weights": True, "weight_bits": 4, "hpz_size": 2, "quantized_gradients": True,
             "gradient_bits": 8, "quant_block": 64, "qgz_stages": 1, "qgz_min_numel": 0, "quant_error_interval": 5,
             "prefetch_depth": 3, "reduce_in_flight": 4, "weight_delta": True, "gradient_bits_intra": 8,
-            "gradient_hadamard": True}
+            "gradient_hadamard": True, "early_step": False}
     assert set(parallel) == {f.name for f in dataclasses.fields(ParallelConfig)}, "a new parallel.* key: add it"
     assert set(zero) == {f.name for f in dataclasses.fields(ZeroConfig)}, "a new zero.* key: add it"
     config = to_dict(Config())
