@@ -75,7 +75,7 @@ class Mesh:
         self.pp = self._group("pp", layout.pp_ranks(self.rank), self.device_mesh.get_group("pp"))
         self.dp = self._group("dp", layout.dp_ranks(self.rank), self.device_mesh.get_group("dp"))
         self.dp_intra = self._new_groups("dp_intra", layout.dp_intra_ranks)
-        self.dp_inter = self._new_groups("dp_inter", layout.dp_inter_ranks)
+        self.dp_inter = self._new_groups("dp_inter", layout.dp_inter_ranks, twin=True)
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
         self._hpz: Dict[int, Group] = {}
@@ -88,18 +88,25 @@ class Mesh:
         return Group(name=name, pg=pg if len(ranks) > 1 else None, ranks=ranks, rank=ranks.index(self.rank),
                      link="intra" if len(nodes) == 1 else "inter", ledger=self.ledger)
 
-    def _new_groups(self, name: str, members_of: Callable[[int], List[int]]) -> Group:
-        """Create every distinct group of this family (all ranks, same order) and keep ours."""
+    def _new_groups(self, name: str, members_of: Callable[[int], List[int]], twin: bool = False) -> Group:
+        """Create every distinct group of this family (all ranks, same order) and keep ours. ``twin``: on gloo, a
+        group that crosses nodes gets a second process group over the same members (``Group.reverse``: its
+        exchanges send each direction over a connection of its own)."""
         mine = members_of(self.rank)
         distinct = sorted({tuple(members_of(r)) for r in range(self.layout.world_size)})
-        pg = None
+        twin = twin and dist.get_backend() == "gloo"
+        pg = reverse = None
         for ranks in distinct:
             if len(ranks) == 1:
                 continue
             created = dist.new_group(list(ranks), timeout=self.timeout)
+            second = (dist.new_group(list(ranks), timeout=self.timeout)
+                      if twin and len({self.layout.node_of(r) for r in ranks}) > 1 else None)
             if list(ranks) == mine:
-                pg = created
-        return self._group(name, mine, pg)
+                pg, reverse = created, second
+        group = self._group(name, mine, pg)
+        group.reverse = reverse
+        return group
 
     def _consecutive_groups(self, name: str, family: Callable[[int], List[int]], size: int) -> Group:
         """Cut each group of ``family`` into runs of ``size`` consecutive members; this rank's run."""
@@ -125,7 +132,7 @@ class Mesh:
         weight gather (``parallel/zero/zeropp.py``: its second hop is launched when the first arrives, an order
         that must not interleave with other collectives on a shared group). Collective; built once."""
         if self._gather is None:
-            self._gather = (self._new_groups("qwz_inter", self.layout.dp_inter_ranks),
+            self._gather = (self._new_groups("qwz_inter", self.layout.dp_inter_ranks, twin=True),
                             self._new_groups("qwz_intra", self.layout.dp_intra_ranks))
         return self._gather
 
