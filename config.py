@@ -203,12 +203,13 @@ class ZeroConfig:
     """Stages 2-3: gradient reduce-scatters (or qgZ reduces) allowed in flight while backward continues; each
     holds its unit's full gradient buffer until it arrives (counted in the working peak)."""
     early_step: bool = True
-    """Stage 3 with hpZ (zero.hpz_size > 1), without qWD: step each unit's optimizer shard as soon as its gradient
-    shard is final in the step's last backward, assuming the gradient clip will not bite (nor the loss scale
-    find an overflow), and gather the updated weights across nodes into the hpZ secondary shards while backward
-    goes on, so the next forward gathers only inside the node. The step is exact: when the global norm arrives
-    and the clip (or an overflow) does bite, the early work is thrown away and the step runs as without this;
-    a step that follows a clipped one does not try. No effect elsewhere (parallel/zero/sharded.py)."""
+    """Stage 3 with hpZ (zero.hpz_size > 1) and qwZ, without qWD: step each unit's optimizer shard (but the first
+    module's) as soon as its gradient shard is final in the step's last backward, assuming the gradient clip
+    will not bite (nor the loss scale find an overflow), and gather the updated weights across nodes into the
+    hpZ secondary shards while backward goes on, so the next forward gathers them inside the node. Exact: when
+    the global norm arrives and the clip (or an overflow) does bite, the early work is thrown away and the step
+    runs as without this; a step that follows a clipped one does not try. No effect elsewhere
+    (parallel/zero/sharded.py)."""
     quantized_weights: bool = False
     """ZeRO++ qwZ: all-gather weights blockwise-quantized to zero.weight_bits, dequantized on arrival (stage 3:
     every gather from the primary shards; stages 1-2: the post-step all-gather of the updated parameters); the

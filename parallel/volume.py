@@ -143,10 +143,10 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
                   built the secondary copies) the first one too; qWD (with hpZ): the first gather sends the
                   quantized differences (the qwZ bytes) plus one secondary gather (dp_hpz) of the previous
                   weights, except in the ``first_step``, an exact (N-1) S e_c gather on dp; ``early`` (the
-                  previous step kept its early step, zero.early_step): the units of the first
-                  zero.prefetch_depth + 1 modules of the first chunk were gathered from the primary shards
-                  into the secondary copies during the previous backward (counted here, in the step whose
-                  forward uses them) and every gather of them in this step, the first too, is inside the node;
+                  previous step kept its early step, zero.early_step): every unit but those of each chunk's
+                  first module was gathered from the primary shards into the secondary copies during the
+                  previous backward (counted here, in the step whose forward uses them) and every gather of
+                  them in this step, the first too, is inside the node;
                   qgZ (stages 1-3): units of at least qgz_min_numel elements reduce by the two all-to-alls
                   (dp_intra at zero.gradient_bits_intra, dp_inter at zero.gradient_bits) of ``QgzPlan`` instead
                   of the reduce-scatter
@@ -169,9 +169,9 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
     x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
-    for c, chunk in enumerate(meta_chunks(cfg, layout, pp_rank)):
+    for chunk in meta_chunks(cfg, layout, pp_rank):
         units, uses = chunk_units(chunk)
-        ahead = early_units(cfg, uses) if early and c == 0 else set()
+        ahead = early_units(cfg, uses) if early else set()
         for k, unit in enumerate(units):
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
@@ -200,12 +200,13 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
 
 
 def early_units(cfg: Config, uses) -> set:
-    """Indices of the units ZeRO-3's early step covers (``zero.early_step``; ``ZeroDataParallel._next_forward_units``):
-    those of the first zero.prefetch_depth + 1 modules of a chunk's forward (none without prefetch)."""
+    """Indices of a chunk's units that ZeRO-3's early step covers (``zero.early_step``;
+    ``ZeroDataParallel._early_candidates``): every unit but those of the chunk's first module."""
     z = cfg.zero
-    if not (z.early_step and z.stage == 3 and z.hpz_size > 1 and not z.weight_delta and z.prefetch):
+    if not (z.early_step and z.stage == 3 and z.hpz_size > 1 and z.quantized_weights and not z.weight_delta):
         return set()
-    return {k for use in uses[:z.prefetch_depth + 1] for k in use.units}
+    first = set(uses[0].units) if uses else set()
+    return {k for use in uses for k in use.units if k not in first}
 
 
 def _stage3_gather_count(k: int, uses) -> int:
@@ -269,9 +270,9 @@ def validation_gather_bytes(cfg: Config, layout: Layout, rank: int, first_after_
     if z.stage != 3:
         return {}
     fp8 = cfg.precision == "fp8"
-    for c, chunk in enumerate(meta_chunks(cfg, layout, layout.coords(rank)[0])):
+    for chunk in meta_chunks(cfg, layout, layout.coords(rank)[0]):
         units, uses = chunk_units(chunk)
-        ahead = early_units(cfg, uses) if early and c == 0 and not fp8 else set()
+        ahead = early_units(cfg, uses) if early and not fp8 else set()
         for k, unit in enumerate(units):
             s = shard_layout([p.numel() for p in unit.params], n, "whole_tensor" if fp8 else z.partition).shard_size
             gathers = layout.num_microbatches * sum(k in use.units for use in uses)

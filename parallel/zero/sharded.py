@@ -200,9 +200,11 @@ class ZeroDataParallel:
         self.weight_delta = z.weight_delta
         self.qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.gradient_bits_intra else None
         self.in_flight = z.reduce_in_flight
-        # zero.early_step (see _early_step): stage 3 with hpZ secondary shards to gather into, not qWD (whose
-        # differences are taken against the secondary copies an early gather overwrites)
-        self.early = z.early_step and self.stage == 3 and self.hpz is not None and not z.weight_delta
+        # zero.early_step (see _early_step): stage 3 with hpZ secondary shards to gather into and qwZ (whose
+        # gather dequantizes just the node's slice), not qWD (whose differences are taken against the secondary
+        # copies an early gather overwrites)
+        self.early = (z.early_step and self.stage == 3 and self.hpz is not None and self.qwz is not None
+                      and not z.weight_delta)
         self._plan: Optional[Tuple[float, float]] = None  # this step's (lr, gradient factor) if it steps early
         self._early_units: set = set()  # ids of the units that step early: the next forward's first modules'
         self._bites = False  # the last step's clip (or an overflow) bit: the next one does not step early
@@ -434,8 +436,20 @@ class ZeroDataParallel:
         use and the loss scale. With ``zero.early_step`` where it applies, and unless the last step's clip (or an
         overflow) bit or this step samples the quantization error, this step's units step early."""
         ok = self.early and not self._bites and not self.sampling and self.mesh.dp.size > 1
-        self._early_units = {id(u) for u in self._next_forward_units()} if ok else set()
+        self._early_units = {id(u) for u in self._early_candidates()} if ok else set()
         self._plan = (lr, grad_factor(0.0, loss_scale, 0.0)) if self._early_units else None
+
+    def _early_candidates(self) -> List[Unit]:
+        """The units that step early: every unit of each chunk's recorded forward but those of its first module
+        (the embedding, on the first stage). That module's gradient is final last and the forward needs it
+        first: an early gather of it would arrive no sooner than the one the optimizer step starts, and the step
+        would wait for it."""
+        firsts = {id(u) for order in self._order if order for u in order[0].units}
+        out: List[Unit] = []
+        for order in self._order:
+            for use in order or []:
+                out += [u for u in use.units if id(u) not in firsts and all(u is not o for o in out)]
+        return out
 
     @torch.no_grad()
     def _early_step(self, unit: Unit) -> None:
@@ -446,8 +460,8 @@ class ZeroDataParallel:
         assumed one (the clip did not bite, nothing overflowed), and ``step`` keeps the secondary copies
         (counted when a forward uses them, as the gathers the step starts); else ``_discard_early``. The unit's
         backward is over (its gradient shard is final), so nothing of this step reads its secondary shard again.
-        Holds no gathered buffer with qwZ (the quantized pieces of the node's slice are dequantized straight into
-        the secondary shard); without it, one full buffer per gather in flight (in the working set)."""
+        Holds no gathered buffer: qwZ's quantized pieces of the node's slice are dequantized straight into the
+        secondary shard (the quantized send and receive buffers, uncounted as every qwZ gather's)."""
         lr, factor = self._plan
         t = self.cfg.train
         master, m, v = unit.master.clone(), unit.exp_avg.clone(), unit.exp_avg_sq.clone()
@@ -455,19 +469,12 @@ class ZeroDataParallel:
                    t.beta1, t.beta2, t.eps, t.weight_decay)
         del m, v
         shard = master if self.compute_dtype == torch.float32 else master.to(self.compute_dtype)
+        per = self.mesh.dp.size // self.hpz.size  # this rank's hpZ slice: the whole pieces of ``per`` DP ranks
+        rows = (self.hpz.rank * per, (self.hpz.rank + 1) * per)
         with self.mesh.ledger.deferred() as held:
-            work = self._secondary_gather(unit, shard)
+            work = QuantizedGather(unit.secondary, shard, self.mesh.dp, self.qwz, self.gather_route, rows=rows)
         self._early[id(unit)] = [unit, work, held]
         self._poll()
-
-    def _secondary_gather(self, unit: Unit, shard: torch.Tensor):
-        """Gather every rank's ``shard`` (the updated primary shards) and keep this rank's hpZ slice in the unit's
-        secondary shard: qwZ's gather, with only the slice's pieces dequantized, or a plain one into a buffer."""
-        per = self.mesh.dp.size // self.hpz.size  # the slice is the whole pieces of ``per`` DP ranks
-        rows = (self.hpz.rank * per, (self.hpz.rank + 1) * per)
-        if self.qwz is not None:
-            return QuantizedGather(unit.secondary, shard, self.mesh.dp, self.qwz, self.gather_route, rows=rows)
-        return _SliceGather(unit.secondary, shard, self.mesh.dp, rows, self.working)
 
     def _settle_early(self, unit: Unit) -> None:
         """Wait for the unit's early gather, if it is still in flight (its secondary shard is then whole)."""
@@ -738,22 +745,3 @@ def _in_backward() -> bool:
     """True inside an autograd backward pass (e.g. during activation recomputation)."""
     return torch._C._current_graph_task_id() != -1
 
-
-class _SliceGather:
-    """An all-gather of every rank's shard of a unit into a full buffer (counted in the working set while in
-    flight) of which ``wait`` keeps the pieces of DP ranks ``rows`` in ``out`` (``ZeroDataParallel._early_step``
-    without qwZ)."""
-
-    def __init__(self, out: torch.Tensor, shard: torch.Tensor, group: comm.Group, rows: Tuple[int, int],
-                 working: Working):
-        self.out, self.rows, self.working = out, rows, working
-        self.full = torch.empty(group.size * shard.numel(), dtype=shard.dtype, device=shard.device)
-        working.add(self.full.numel() * self.full.element_size())
-        self.work = comm.all_gather(self.full, shard, group, async_op=True)
-
-    def wait(self) -> None:
-        self.work.wait()
-        per = self.out.numel() // (self.rows[1] - self.rows[0])
-        self.out.copy_(self.full[self.rows[0] * per:self.rows[1] * per])
-        self.working.sub(self.full.numel() * self.full.element_size())
-        self.full = None
