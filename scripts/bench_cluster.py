@@ -218,7 +218,7 @@ def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, r
     run_dir = workdir / run_dir_name
     overrides = common_overrides(args, run_dir, world)
     script = ["train.py"] if row.script == "train" else ["scripts/fsdp2_peer.py"]
-    sampler = netemu.Sampler(cluster)
+    sampler = netemu.Sampler(cluster, 0.005 if args.link_profile else 0.02)
     sampler.start()
     t0 = time.monotonic()
     try:
@@ -273,7 +273,38 @@ def run_row(cluster: netemu.Cluster, row: Row, args, workdir: Path, port: int, r
                 "steps_measured": n, "loss_last": last.get("loss"),
                 "train_step_s": statistics.median(r["step_time_s"] for r in steady),
                 "step_times": [r["step_time_s"] for r in recs]})
+    if args.link_profile and cluster.shaped:
+        ends = [r["time"] for r in recs if r["step"] >= args.skip]
+        out["link_profile"] = link_profile(sampler.samples, ends, cluster.rate_bps)
     return out
+
+
+def link_profile(samples: List[Tuple[float, List[Tuple[int, int]]]], ends: List[float], rate_bps: float,
+                 bin_s: float = 0.02) -> List[Tuple[float, float, int]]:
+    """Where in a step the link is busy: for each ``bin_s`` of time since a step began (the previous step's end),
+    the mean over steps of the busiest node's tx rate / the link rate, from counter samples (time, [(rx, tx) per
+    node]); (bin start s, utilisation, samples)."""
+    bins: Dict[int, List[float]] = {}
+    for a, b in zip(ends, ends[1:]):
+        pts = [(t, c) for t, c in samples if a <= t <= b]
+        for (t0, c0), (t1, c1) in zip(pts, pts[1:]):
+            if t1 > t0:
+                busy = max(y[1] - x[1] for x, y in zip(c0, c1)) * 8 / (t1 - t0) / rate_bps
+                bins.setdefault(int((t0 - a) / bin_s + 1e-6), []).append(busy)
+    return [(k * bin_s, statistics.mean(v), len(v)) for k, v in sorted(bins.items())]
+
+
+def profile_lines(results: List[dict]) -> List[str]:
+    """``--link-profile``'s table: per row (its first shaped pass at the fixed rate), the link's utilisation by
+    20 ms of the step."""
+    lines = []
+    for r in results:
+        prof = r.get("link_profile")
+        if not prof:
+            continue
+        lines += ["", f"link utilisation through the step, {r['what']} (busiest node's tx / rate, mean over steps):", ""]
+        lines += [f"  {t * 1e3:5.0f} ms  {'#' * int(round(u * 40)):<42s} {u:.2f}" for t, u, _ in prof]
+    return lines
 
 
 def cluster_seq_len(args) -> int:
@@ -447,6 +478,9 @@ def parse_args(argv):
                    help="train.grad_clip of every row (FSDP2's too); default 0 = off: the steps of a pretraining "
                         "run whose gradient norm stays under the clip, where ZeRO-3 with hpZ steps early "
                         "(zero.early_step); a clip that bites makes those steps wait for the global norm")
+    p.add_argument("--link-profile", action="store_true",
+                   help="sample the link counters every 5 ms and print, per row, the link's utilisation through the "
+                        "step (20 ms bins since the step began): where the wire stands idle")
     p.add_argument("--row-timeout", type=float, default=600.0)
     p.add_argument("--json", help="also write the results as JSON here")
     p.add_argument("--probe", action="store_true", help="measure wire bytes per ledger byte of each collective")
@@ -555,6 +589,8 @@ def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int
         return 0
     results = run_rows(cluster, args, names, workdir)
     print(f"\n{header(cluster, args)}\n\n{table(results, cluster, args)}", flush=True)
+    for line in profile_lines(results):
+        print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results,
                                                "speedups_over_fsdp2_hybrid": dict(speedups(results)),

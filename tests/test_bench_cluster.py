@@ -382,3 +382,21 @@ def test_calibrated_point_sets_the_bound_to_the_unshaped_step_and_reports_its_ra
     assert _cells(bench_cluster.table([failed]), row["what"])[5] == "failed: boom"
     assert bench_cluster.with_calibrated(dict(row), None) == row
     json.dumps(out)
+
+
+def test_link_profile_bins_each_steps_busiest_tx_by_time_since_the_step_began():
+    """Two steps of 40 ms at 8 Mbit/s (1 MB/s): node 1 sends at full rate in each step's first 20 ms and idles in
+    the second, node 0 sends at half rate throughout: the profile is 1.0 then 0.5 (the busiest node per sample)."""
+    samples, tx = [], [0, 0]
+    for k in range(17):  # every 5 ms, 0..80 ms
+        t = 100.0 + 0.005 * k
+        samples.append((t, [(0, tx[0]), (0, tx[1])]))
+        tx[0] += 2500  # 0.5 MB/s
+        tx[1] += 5000 if (k % 8) < 4 else 0  # 1 MB/s in the first 20 ms of each 40 ms step
+    prof = bench_cluster.link_profile(samples, [100.0, 100.04, 100.08], 8e6)
+    assert [round(t, 3) for t, _, _ in prof] == [0.0, 0.02]
+    assert [u for _, u, _ in prof] == pytest.approx([1.0, 0.5])
+    assert [n for _, _, n in prof] == [8, 8]
+    lines = bench_cluster.profile_lines([{"what": "row", "link_profile": prof}, {"what": "other"}])
+    assert lines[1].startswith("link utilisation through the step, row") and len(lines) == 5
+    assert lines[3].split()[-1] == "1.00" and lines[4].split()[-1] == "0.50"
