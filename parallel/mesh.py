@@ -74,6 +74,12 @@ class Mesh:
         self.tp = self._group("tp", layout.tp_ranks(self.rank), self.device_mesh.get_group("tp"))
         self.pp = self._group("pp", layout.pp_ranks(self.rank), self.device_mesh.get_group("pp"))
         self.dp = self._group("dp", layout.dp_ranks(self.rank), self.device_mesh.get_group("dp"))
+        # on gloo a DP group across nodes reduce-scatters directly over one-way connections (comm.Group.reverse);
+        # every rank creates the twins (collective), a rank whose DP group stays in a node does not use its own
+        nodes = {layout.node_of(r) for r in range(layout.world_size)}
+        if dist.get_backend() == "gloo" and len(nodes) > 1:
+            twin = self._new_groups("dp_reverse", layout.dp_ranks).pg
+            self.dp.reverse = twin if self.dp.link == "inter" else None
         self.dp_intra = self._new_groups("dp_intra", layout.dp_intra_ranks)
         self.dp_inter = self._new_groups("dp_inter", layout.dp_inter_ranks, twin=True)
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
@@ -106,6 +112,7 @@ class Mesh:
                 pg, reverse = created, second
         group = self._group(name, mine, pg)
         group.reverse = reverse
+        group.pairwise_gather = reverse is not None
         return group
 
     def _consecutive_groups(self, name: str, family: Callable[[int], List[int]], size: int) -> Group:

@@ -137,7 +137,7 @@ def comm_worker() -> dict:
     mesh = Mesh(make_layout(cfg, dist.get_world_size(), dist.get_world_size()), torch.device("cpu"))
     groups = mesh.groups()
     info = {name: (g.ranks, g.rank, g.link, g.size) for name, g in groups.items()}
-    twins = {name for name, g in groups.items() if g.reverse is not None}
+    twins = {name: g.pairwise_gather for name, g in groups.items() if g.reverse is not None}
     results = {}
     for name in ("tp", "dp", "world", "dp_intra", "dp_inter", "pp"):
         results.update(_collectives(groups[name], mesh.ledger))
@@ -179,10 +179,11 @@ def test_mesh_groups_and_links(world) -> None:
             assert got_ranks == ranks, (rank, name)
             assert my_index == ranks.index(rank) and size == len(ranks)
             assert link == links[name], (rank, name)
-    # on gloo, dp_inter (ZeRO++ qgZ's cross-node hop) has a twin group: its all_gather and all_to_all run as
-    # pairwise transfers, one direction per connection (comm.Group.reverse), and the results and ledger tests
-    # below check that path against the local reference
-    assert all(out["twins"] == {"dp_inter"} for out in world), [out["twins"] for out in world]
+    # on gloo, groups across nodes have a twin (comm.Group.reverse): dp (2 ranks a node here) reduce-scatters
+    # directly, one direction per connection; dp_inter (one rank a node: ZeRO++ qgZ's cross-node hop) also
+    # gathers and all-to-alls pairwise; the results and ledger tests below check those paths against the local
+    # reference
+    assert all(out["twins"] == {"dp": False, "dp_inter": True} for out in world), [out["twins"] for out in world]
 
 
 def _close(a, b) -> bool:
