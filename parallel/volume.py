@@ -202,8 +202,9 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
 def early_units(cfg: Config, uses) -> set:
     """Indices of a chunk's units that ZeRO-3's early step covers (``zero.early_step``;
     ``ZeroDataParallel._early_candidates``): every unit but those of the chunk's first module."""
-    z = cfg.zero
-    if not (z.early_step and z.stage == 3 and z.hpz_size > 1 and z.quantized_weights and not z.weight_delta):
+    from parallel.zero.sharded import early_step_applies
+
+    if not early_step_applies(cfg.zero):
         return set()
     first = set(uses[0].units) if uses else set()
     return {k for use in uses for k in use.units if k not in first}

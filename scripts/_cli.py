@@ -219,6 +219,25 @@ def check_run_data(cfg) -> None:
         os.chdir(here)
 
 
+def parsed_lines(lines: List[bytes], parse, path, error, torn: str, on_warning):
+    """Each non-blank line of a JSON-lines file (``lines``), decoded by ``parse`` (a ValueError saying what is
+    wrong). A bad last line after good ones is what a writer killed mid-line leaves: skipped, with ``on_warning``
+    of ``torn`` (formatted with ``e``, the reason, and ``n``, the good lines before it); a bad line anywhere else
+    raises ``error`` naming the file and line."""
+    filled = [i for i, line in enumerate(lines) if line.strip()]
+    n = 0
+    for i in filled:
+        try:
+            item = parse(lines[i])
+        except ValueError as e:
+            if i == filled[-1] and n:
+                on_warning(f"warning: {path}:{i + 1}: " + torn.format(e=e, n=n))
+                return
+            raise error(f"{path}:{i + 1}: {e}") from None
+        n += 1
+        yield item
+
+
 def json_line(line: bytes):
     """One line of a JSON-lines file (a trace, metrics.jsonl) decoded; ValueError saying what is wrong with it
     (binary data, malformed JSON): the reader names the file and line."""

@@ -28,7 +28,7 @@ from typing import Callable, Dict, List, Tuple
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # _cli beside this file, however it is loaded
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import json_line  # noqa: E402
+from _cli import json_line, parsed_lines  # noqa: E402
 
 
 class TraceError(ValueError):
@@ -66,17 +66,8 @@ def load_rank(path: str, on_warning: Callable[[str], None] = warn) -> List[list]
             lines = f.read().split(b"\n")
     except OSError as e:
         raise TraceError(f"{path}: cannot be read ({e.strerror})") from None
-    filled = [i for i, line in enumerate(lines) if line.strip()]
-    events: List[list] = []
-    for i in filled:
-        try:
-            events.append(parse_event(lines[i]))
-        except ValueError as e:
-            if i == filled[-1] and events:
-                on_warning(f"warning: {path}:{i + 1}: skipped the torn last line, what a rank killed mid-write "
-                           f"leaves ({e}); using the {len(events)} events before it")
-                break
-            raise TraceError(f"{path}:{i + 1}: {e}") from None
+    events = list(parsed_lines(lines, parse_event, path, TraceError, "skipped the torn last line, what a rank killed "
+                               "mid-write leaves ({e}); using the {n} events before it", on_warning))
     if not events:
         raise TraceError(f"{path}: empty file, no trace events")
     return events

@@ -31,7 +31,7 @@ from typing import Callable, Dict, List, Optional
 
 if os.path.dirname(os.path.abspath(__file__)) not in sys.path:  # _cli beside this file, however it is loaded
     sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
-from _cli import json_line  # noqa: E402
+from _cli import json_line, parsed_lines  # noqa: E402
 
 Series = Dict[int, float]  # step -> value
 
@@ -81,19 +81,10 @@ def load_run(run_dir: Path, metrics: List[str], on_warning: Callable[[str], None
         lines = path.read_bytes().split(b"\n")
     except OSError as e:
         raise InputError(f"{path}: cannot be read ({e.strerror})") from None
-    filled = [i for i, line in enumerate(lines) if line.strip()]
     series: Dict[str, Series] = {m: {} for m in ["step"] + metrics}
     n_records = 0
-    for i in filled:
-        lineno = i + 1
-        try:
-            record = _parse(lines[i])
-        except ValueError as e:
-            if i == filled[-1] and n_records:
-                on_warning(f"warning: {path}:{lineno}: skipped the torn last record, what a writer killed "
-                           f"mid-line leaves ({e}); plotting the {n_records} records before it")
-                break
-            raise InputError(f"{path}:{lineno}: {e}") from None
+    for record in parsed_lines(lines, _parse, path, InputError, "skipped the torn last record, what a writer killed "
+                               "mid-line leaves ({e}); plotting the {n} records before it", on_warning):
         n_records += 1
         step = record.get("step")
         if isinstance(step, bool) or not isinstance(step, int):

@@ -129,7 +129,7 @@ class Engine:
         (``dp.norm_terms``) and ``extra()``'s values, if given (the trainer's stop flags, evaluated then), whose
         sums come back as ``stats["extra"]``."""
         lr = self.lr_schedule(self.step)
-        if isinstance(self.dp, ZeroDataParallel):  # zero.early_step: what the step will use, known before backward
+        if getattr(self.dp, "early", False):  # zero.early_step: what the step will use, known before backward
             self.dp.plan_step(lr, self.scaler.scale)
         losses = self.forward_backward(batch)
         terms = self.dp.norm_terms()

@@ -178,9 +178,16 @@ class Unit:
         return self.grad_full[off:off + p.numel()].view(p.shape)
 
 
+def early_step_applies(z) -> bool:
+    """``zero.early_step`` takes effect (``ZeroDataParallel._early_step``; ``parallel/volume.py`` counts its bytes):
+    stage 3 with hpZ secondary shards to gather into and qwZ (whose gather dequantizes just the node's slice), not
+    qWD (whose differences are taken against the secondary copies an early gather overwrites)."""
+    return z.early_step and z.stage == 3 and z.hpz_size > 1 and z.quantized_weights and not z.weight_delta
+
+
 class ZeroDataParallel:
-    # zero.early_step's state where it never applies (FP8-LM's stage 3, ``fp8/zero.py``, builds its own units)
-    early, last_early, _plan, _early, _landing = False, False, None, {}, {}
+    # the early step's state read by methods FP8-LM's stage 3 (``fp8/zero.py``) inherits without this __init__
+    early, _plan = False, None
 
     def __init__(self, cfg: Config, mesh: Mesh, chunks: Sequence[nn.Module], names: Dict[nn.Parameter, str]):
         z = cfg.zero
@@ -200,13 +207,9 @@ class ZeroDataParallel:
         self.weight_delta = z.weight_delta
         self.qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.gradient_bits_intra else None
         self.in_flight = z.reduce_in_flight
-        # zero.early_step (see _early_step): stage 3 with hpZ secondary shards to gather into and qwZ (whose
-        # gather dequantizes just the node's slice), not qWD (whose differences are taken against the secondary
-        # copies an early gather overwrites)
-        self.early = (z.early_step and self.stage == 3 and self.hpz is not None and self.qwz is not None
-                      and not z.weight_delta)
+        self.early = early_step_applies(z)  # zero.early_step: see _early_step
         self._plan: Optional[Tuple[float, float]] = None  # this step's (lr, gradient factor) if it steps early
-        self._early_units: set = set()  # ids of the units that step early: the next forward's first modules'
+        self._early_units: set = set()  # ids of the units that step early this step (_early_candidates)
         self._bites = False  # the last step's clip (or an overflow) bit: the next one does not step early
         self._early: Dict[int, list] = {}  # id(unit) -> [unit, gather in flight or None, its ledger records]
         self._landing: Dict[int, Tuple[Unit, object]] = {}  # kept early gathers still in flight after the step
@@ -436,20 +439,16 @@ class ZeroDataParallel:
         use and the loss scale. With ``zero.early_step`` where it applies, and unless the last step's clip (or an
         overflow) bit or this step samples the quantization error, this step's units step early."""
         ok = self.early and not self._bites and not self.sampling and self.mesh.dp.size > 1
-        self._early_units = {id(u) for u in self._early_candidates()} if ok else set()
+        self._early_units = self._early_candidates() if ok else set()
         self._plan = (lr, grad_factor(0.0, loss_scale, 0.0)) if self._early_units else None
 
-    def _early_candidates(self) -> List[Unit]:
-        """The units that step early: every unit of each chunk's recorded forward but those of its first module
-        (the embedding, on the first stage). That module's gradient is final last and the forward needs it
+    def _early_candidates(self) -> set:
+        """Ids of the units that step early: every unit of each chunk's recorded forward but those of its first
+        module (the embedding, on the first stage). That module's gradient is final last and the forward needs it
         first: an early gather of it would arrive no sooner than the one the optimizer step starts, and the step
         would wait for it."""
         firsts = {id(u) for order in self._order if order for u in order[0].units}
-        out: List[Unit] = []
-        for order in self._order:
-            for use in order or []:
-                out += [u for u in use.units if id(u) not in firsts and all(u is not o for o in out)]
-        return out
+        return {id(u) for order in self._order for use in order or [] for u in use.units} - firsts
 
     @torch.no_grad()
     def _early_step(self, unit: Unit) -> None:
@@ -478,6 +477,8 @@ class ZeroDataParallel:
 
     def _settle_early(self, unit: Unit) -> None:
         """Wait for the unit's early gather, if it is still in flight (its secondary shard is then whole)."""
+        if not self.early:
+            return
         landing = self._landing.pop(id(unit), None)
         if landing is not None:
             landing[1].wait()
@@ -680,8 +681,9 @@ class ZeroDataParallel:
         if reference_kind not in ("applied", "pending"):
             raise ValueError(f"qWD reference kind must be applied or pending, got {reference_kind!r}")
         self._discard_early()
-        for unit in list(u for u, _ in self._landing.values()):
-            self._settle_early(unit)
+        for _, work in self._landing.values():
+            work.wait()
+        self._landing.clear()
         quantized = self._quantized_step_gather()
         for u in self.units:  # (stages 1-2 qWD with the reference loaded: the shard holds that reference)
             if u.shard is not u.master and not (quantized and self.weight_delta and reference_loaded):
@@ -744,4 +746,3 @@ class ZeroDataParallel:
 def _in_backward() -> bool:
     """True inside an autograd backward pass (e.g. during activation recomputation)."""
     return torch._C._current_graph_task_id() != -1
-
