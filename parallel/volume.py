@@ -156,7 +156,7 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     (e_c: compute dtype bytes, e_r: reduce dtype bytes, N: DP size)."""
     from parallel.zero.partition import shard_layout
     from parallel.zero.units import chunk_units, meta_chunks
-    from parallel.zero.zeropp import QgzPlan, Quant, qwz_gather_bytes
+    from parallel.zero.zeropp import Quant, qwz_gather_bytes
 
     z, n, t = cfg.zero, layout.dp, layout.tp
     e_c = DTYPE_BYTES[cfg.precision]
@@ -164,8 +164,6 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
     pp_rank, dp_rank, _ = layout.coords(rank)
     mb = layout.num_microbatches
     tie = cfg.model.tie_embeddings and layout.pp > 1
-    qgz = Quant(z.gradient_bits, z.quant_block) if z.quantized_gradients else None
-    qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.quantized_gradients and z.gradient_bits_intra else None
     qwz = Quant(z.weight_bits, z.quant_block) if z.quantized_weights else None
     x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
     out: Dict[str, float] = defaultdict(float)
@@ -176,12 +174,8 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
             shard = shard_layout([p.numel() for p in unit.params], n, z.partition)
             s = shard.shard_size
             reduces = mb if z.stage == 3 else 1
-            if qgz and n > 1 and n * s >= z.qgz_min_numel:
-                intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages, qgz_intra).bytes_per_rank()
-                out["dp_intra"] += reduces * intra
-                out["dp_inter"] += reduces * inter
-            else:
-                out["dp"] += reduces * (n - 1) * s * e_r
+            for group, nbytes in _reduce_bytes(cfg, s, n, x, y).items():
+                out[group] += reduces * nbytes
             if z.stage == 3:
                 gathers = mb * _stage3_gather_count(k, uses)
                 for group, nbytes in _stage3_gathers(cfg, gathers, s, n, secondary_valid, x, y, first_step,
@@ -197,6 +191,69 @@ def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: boo
             if tie and (unit.name == "embedding" or any(p.spec.shared_with for p in unit.params)):
                 out["embedding"] += _ring(2) * s * e_r
     return dict(out)
+
+
+def _reduce_bytes(cfg: Config, s: int, n: int, x: int, y: int) -> Dict[str, float]:
+    """One gradient reduce-scatter of a unit with shards of ``s`` elements over ``n`` = x * y DP ranks, by group:
+    qgZ's two all-to-alls (units of at least qgz_min_numel elements) or the plain reduce-scatter."""
+    from parallel.zero.zeropp import QgzPlan, Quant
+
+    z = cfg.zero
+    if z.quantized_gradients and n > 1 and n * s >= z.qgz_min_numel:
+        qgz = Quant(z.gradient_bits, z.quant_block)
+        qgz_intra = Quant(z.gradient_bits_intra, z.quant_block) if z.gradient_bits_intra else None
+        intra, inter = QgzPlan(n * s, x, y, qgz, z.qgz_stages, qgz_intra).bytes_per_rank()
+        return {"dp_intra": intra, "dp_inter": inter}
+    e_r = DTYPE_BYTES[cfg.precision] if z.reduce_dtype == "compute" else 4
+    return {"dp": (n - 1) * s * e_r}
+
+
+def spans_nodes(group: str, layout: Layout, rank: int) -> bool:
+    """Whether the analytic volume's ``group`` of ``rank`` has members on more than one node (the ledger's
+    ``inter`` link): the DP groups that cross nodes (``dp`` where the DP peers sit on several nodes, ``dp_inter``,
+    ``qwz_inter``), ``world`` and ``pp`` where the job spans nodes; TP, the node's DP peers (``dp_intra``,
+    ``qwz_intra``) and hpZ (``dp_hpz``, inside a node by the layout's rule) never."""
+    nodes = len(layout.dp_inter_ranks(rank))
+    if group in ("dp_inter", "qwz_inter"):
+        return True
+    if group == "dp":
+        return nodes > 1
+    if group in ("world", "pp", "embedding"):
+        return layout.world_size > layout.ranks_per_node
+    return False
+
+
+def boundary_chain_bytes(cfg: Config, layout: Layout, rank: int, early: bool = False) -> Dict[str, float]:
+    """ZeRO-3 without pipelining: the bytes per step, per rank, on groups that cross nodes (``spans_nodes``) of
+    ``chain`` (what must cross between the end of the backward's last block and the start of the next forward's
+    first block) and of the whole ``step`` (``step_bytes``, ``early`` as there).
+
+    The chain: the units of the forward's first two modules (the embedding and the first block) have their
+    gradients final last in backward and their weights needed first in forward, so between those two points the
+    link carries each one's last gradient reduce and the gather of its updated weights from the primary shards
+    (an early step's gather too: it needs the reduce), while the compute has only the embedding's lookups and
+    the optimizer's arithmetic to run. Whatever the schedule, a step is then at least the compute plus that
+    transfer: ``step >= compute + chain / step * wire time`` (``scripts/bench_cluster.py``'s floor)."""
+    from parallel.zero.partition import shard_layout
+    from parallel.zero.units import chunk_units, meta_chunks
+
+    if cfg.zero.stage != 3 or layout.pp != 1:
+        raise ValueError(f"the step boundary's chain is defined for ZeRO-3 on one pipeline stage (zero.stage="
+                         f"{cfg.zero.stage}, parallel.pp={layout.pp})")
+    n = layout.dp
+    x, y = len(layout.dp_intra_ranks(rank)), len(layout.dp_inter_ranks(rank))
+    (chunk,) = meta_chunks(cfg, layout, 0)
+    units, uses = chunk_units(chunk)
+    chain = 0.0
+    for k in sorted({k for use in uses[:2] for k in use.units}):
+        s = shard_layout([p.numel() for p in units[k].params], n, cfg.zero.partition).shard_size
+        one = dict(_reduce_bytes(cfg, s, n, x, y))
+        for group, nbytes in _stage3_gathers(cfg, 1, s, n, False, x, y).items():
+            one[group] = one.get(group, 0.0) + nbytes
+        chain += sum(nbytes for group, nbytes in one.items() if spans_nodes(group, layout, rank))
+    step = sum(nbytes for group, nbytes in step_bytes(cfg, layout, rank, early=early).items()
+               if spans_nodes(group, layout, rank))
+    return {"chain": chain, "step": step}
 
 
 def early_units(cfg: Config, uses) -> set:

@@ -28,6 +28,14 @@ so that drift in the machine's load spreads over both) and the table shows media
 table one line per pair that ran, ``speed-up of <row> over fsdp2_hybrid: X.XXx`` (FSDP2 hybrid shard's shaped
 step time / the row's) for zero3 and every ``zeropp*`` trainer row.
 
+Under that, for every ZeRO-3 row, the step boundary's chain (``parallel/volume.boundary_chain_bytes``): the
+embedding's and the first block's last gradient reduce and next weight gather cross the link between the end of
+the first block's backward and the start of its next forward, while every rank waits, so no exact schedule
+steps faster than the unshaped step plus that share of the wire time. The table puts the floor this sets,
+max(unshaped + share x bound, bound) / max(unshaped, bound), beside the measured ratio at both points (at the
+calibrated point 1 + share). The unshaped step stands for the compute: where it waits on communication itself,
+the floor is overstated.
+
     python scripts/bench_cluster.py                                  # 2 nodes x 2 ranks, 100mbit, every row
     sudo python scripts/bench_cluster.py --rows zero3,zeropp,fsdp2_hybrid --steps 10 --repeat 2
                                                                      # ZeRO++ vs FSDP2 HSDP, with overlap
@@ -292,6 +300,61 @@ def link_profile(samples: List[Tuple[float, List[Tuple[int, int]]]], ends: List[
                 busy = max(y[1] - x[1] for x, y in zip(c0, c1)) * 8 / (t1 - t0) / rate_bps
                 bins.setdefault(int((t0 - a) / bin_s + 1e-6), []).append(busy)
     return [(k * bin_s, statistics.mean(v), len(v)) for k, v in sorted(bins.items())]
+
+
+def chain_share(row: Row, args, world: int) -> Optional[Dict[str, float]]:
+    """A ZeRO-3 trainer row's step-boundary chain (``parallel/volume.boundary_chain_bytes``, rank 0, the analytic
+    bytes on groups that cross nodes): ``chain`` and ``step`` bytes and ``share`` = chain / step. None for other
+    rows (plain DP, FSDP2: not this trainer's units)."""
+    if row.script != "train" or "zero.stage=3" not in row.args:
+        return None
+    if str(ROOT) not in sys.path:
+        sys.path.insert(0, str(ROOT))
+    from config import load_config
+    from parallel.layout import make_layout
+    from parallel.volume import boundary_chain_bytes
+    from parallel.zero.sharded import early_step_applies
+
+    cfg = load_config(None, common_overrides(args, Path("unused"), world) + row.args)
+    layout = make_layout(cfg, world, args.ranks_per_node)
+    out = boundary_chain_bytes(cfg, layout, 0, early=early_step_applies(cfg.zero))
+    return {**out, "share": out["chain"] / out["step"]}
+
+
+def chain_floor(share: float, unshaped_s: Optional[float], bound_s: Optional[float]) -> Optional[float]:
+    """The least ``step / max(unshaped, bound)`` an exact schedule can reach when ``share`` of the step's bytes
+    cross the link while every rank waits (the step boundary's chain), the unshaped step taken as the compute:
+    max(unshaped + share * bound, bound) / max(unshaped, bound). None where a term is missing."""
+    if unshaped_s is None or bound_s is None or max(unshaped_s, bound_s) <= 0:
+        return None
+    return max(unshaped_s + share * bound_s, bound_s) / max(unshaped_s, bound_s)
+
+
+def chain_lines(results: List[dict]) -> List[str]:
+    """The step-boundary chain of every ZeRO-3 row, with the floor it sets at both points beside the measured
+    ratio."""
+    rows = [r for r in results if r.get("chain") and "error" not in r]
+    if not rows:
+        return []
+
+    def cell(x: Optional[float]) -> str:
+        return "-" if x is None else f"{x:.2f}"
+
+    lines = ["", "step boundary chain (parallel/volume.boundary_chain_bytes): the embedding's and the first block's last "
+             "gradient reduce and next weight gather, rank 0's bytes on groups that cross nodes; they cross while "
+             "every rank waits, so no exact schedule beats the floor = max(unshaped + share x bound, bound) / "
+             "max(unshaped, bound) (the unshaped step taken as the compute: where it waits on communication itself, "
+             "the floor is overstated)", "",
+             "| row | chain MiB/step | step MiB/step | share | floor | step / max(unshaped, bound) | calibrated floor "
+             "| calibrated step / max(unshaped, bound) |", "|" + "---|" * 8]
+    for r in rows:
+        c, u = r["chain"], r.get("unshaped_step_time_s")
+        cal = r.get("calibrated") or {}
+        cal_bound = cal.get("lower_bound_s") if "error" not in cal else None
+        lines.append(f"| {r['what']} | {mib(c['chain'])} | {mib(c['step'])} | {c['share']:.3f} "
+                     f"| {cell(chain_floor(c['share'], u, r['lower_bound_s']))} | {cell(r.get('overlap_ratio'))} "
+                     f"| {cell(chain_floor(c['share'], u, cal_bound))} | {cell(cal.get('overlap_ratio'))} |")
+    return lines
 
 
 def profile_lines(results: List[dict]) -> List[str]:
@@ -588,8 +651,11 @@ def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int
             Path(args.json).write_text(json.dumps({"probe": res}, indent=1))
         return 0
     results = run_rows(cluster, args, names, workdir)
+    table_rows, world = rows_for(args.ranks_per_node), cluster.nodes * args.ranks_per_node
+    for r in results:
+        r["chain"] = chain_share(table_rows[r["row"]], args, world)
     print(f"\n{header(cluster, args)}\n\n{table(results, cluster, args)}", flush=True)
-    for line in profile_lines(results):
+    for line in chain_lines(results) + profile_lines(results):
         print(line, flush=True)
     if args.json:
         Path(args.json).write_text(json.dumps({"header": header(cluster, args), "rows": results,

@@ -400,3 +400,35 @@ def test_link_profile_bins_each_steps_busiest_tx_by_time_since_the_step_began():
     lines = bench_cluster.profile_lines([{"what": "row", "link_profile": prof}, {"what": "other"}])
     assert lines[1].startswith("link utilisation through the step, row") and len(lines) == 5
     assert lines[3].split()[-1] == "1.00" and lines[4].split()[-1] == "0.50"
+
+
+def test_chain_floor_and_its_table():
+    """The floor an exact schedule cannot beat when ``share`` of the step's bytes cross while every rank waits:
+    at the calibrated point (bound = unshaped) 1 + share; where the wire dominates, the wire alone (1.00) until the
+    unshaped step plus the chain passes it. ``chain_share`` is the analytic chain of the row's own config (only
+    ZeRO-3 trainer rows), and the table puts each floor beside the measured ratio."""
+    assert bench_cluster.chain_floor(0.25, 0.5, 0.5) == pytest.approx(1.25)
+    assert bench_cluster.chain_floor(0.25, 0.5, 2.0) == pytest.approx(1.0)
+    assert bench_cluster.chain_floor(0.25, 0.7, 0.8) == pytest.approx((0.7 + 0.2) / 0.8)
+    assert bench_cluster.chain_floor(0.25, 1.0, 0.4) == pytest.approx(1.1)
+    assert bench_cluster.chain_floor(0.25, None, 0.4) is None
+    args = bench_cluster.parse_args(["--rows", "zero3,zeropp,fsdp2_hybrid"])
+    rows = bench_cluster.rows_for(args.ranks_per_node)
+    assert bench_cluster.chain_share(rows["fsdp2_hybrid"], args, 4) is None
+    assert bench_cluster.chain_share(rows["dp"], args, 4) is None
+    z3, zpp = (bench_cluster.chain_share(rows[n], args, 4) for n in ("zero3", "zeropp"))
+    assert 0 < zpp["chain"] < z3["chain"] and zpp["share"] == pytest.approx(zpp["chain"] / zpp["step"])
+    results = _synthetic(("zero3", "zeropp", "fsdp2_hybrid"))
+    for r in results:
+        r["chain"] = {"zero3": z3, "zeropp": zpp}.get(r["row"])
+    results[1] = bench_cluster.with_calibrated(results[1], [{"rate_bps": 4e7, "step_time_s": 1.2, "lower_bound_s": 0.93}] * 2)
+    lines = bench_cluster.chain_lines(results)
+    assert not [ln for ln in lines if ln.startswith("| FSDP2")]
+    cells = _cells("\n".join(lines), "ZeRO++ (qwZ+hpZ+qgZ)")
+    step, bound, unshaped = _expected("zeropp")
+    assert cells[3] == f"{zpp['share']:.3f}"
+    assert cells[4] == f"{max(unshaped + zpp['share'] * bound, bound) / max(unshaped, bound):.2f}"
+    assert cells[6] == f"{max(unshaped + zpp['share'] * 0.93, 0.93) / max(unshaped, 0.93):.2f}"
+    assert cells[7] == f"{1.2 / max(unshaped, 0.93):.2f}"
+    assert _cells("\n".join(lines), "ZeRO-3")[6] == "-"
+    assert bench_cluster.chain_lines(_synthetic(("fsdp2_hybrid",))) == []
