@@ -259,8 +259,8 @@ class Fp8Config:
     """FP8-LM (``precision=fp8``): FP8 GEMMs, FP8 gradients with the auto-scaling factor mu, FP8 AdamW."""
 
     backend: str = "torch"
-    """FP8 GEMMs through torch._scaled_mm (CPU and compute capability >= 8.9) | te (Transformer Engine, CUDA
-    only; refused with a clear error where it is not installed)."""
+    """FP8 GEMMs through torch._scaled_mm (CPU and compute capability >= 8.9) | te (Transformer Engine: not
+    implemented; refused at start-up with a clear error, whether or not it is installed)."""
     scaling: str = "delayed"
     """Per-tensor scales of activations, weights and output gradients: delayed (from an amax history, reduced
     over TP and DP once per step) | current (from the tensor itself, its amax reduced over TP first)."""

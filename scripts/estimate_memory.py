@@ -14,7 +14,7 @@ import dataclasses
 import os
 import sys
 
-sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+sys.path.insert(0, os.path.dirname(os.path.dirname(os.path.realpath(__file__))))
 
 from config import validate_config  # noqa: E402
 from scripts._cli import load_config  # noqa: E402
