@@ -432,10 +432,16 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
                 raise ConfigError(f"overrides must look like key=value, got {bad}")
             for o in overrides:  # one at a time: a malformed value (``key=[x``) is named with its override
                 try:
-                    layers.append(OmegaConf.from_dotlist([o]))
+                    layer = OmegaConf.from_dotlist([o])
                 except yaml.YAMLError as e:
                     reason = " ".join(str(getattr(e, "problem", None) or e).split())
                     raise ConfigError(f"override {o!r} is not a valid YAML value ({reason})") from None
+                key, text = o.split("=", 1)
+                if key.strip() in _string_keys() and isinstance(OmegaConf.select(layer, key.strip()), bool):
+                    OmegaConf.update(layer, key.strip(), text.strip())  # ``off`` as typed, not YAML 1.1's False
+                layers.append(layer)
+        if yaml_path is not None:
+            _string_booleans(layers[0], yaml_path)
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
     except FileNotFoundError as e:
@@ -445,6 +451,37 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
         raise ConfigError(f"invalid config{where}: {_omegaconf_message(e)}") from None
     assert isinstance(cfg, Config)
     return cfg
+
+
+def _string_keys(cls: type = None, prefix: str = "") -> set:
+    """Dotted keys of the string settings (``str`` or ``Optional[str]``)."""
+    cls = cls or Config
+    hints = typing.get_type_hints(cls)
+    out = set()
+    for f in dataclasses.fields(cls):
+        t = hints[f.name]
+        if dataclasses.is_dataclass(t):
+            out |= _string_keys(t, f"{prefix}{f.name}.")
+        elif t is str or t == Optional[str]:
+            out.add(prefix + f.name)
+    return out
+
+
+def _string_booleans(layer, yaml_path: str) -> None:
+    """A string setting written unquoted as ``off`` / ``on`` / ``yes`` / ``no`` / ``true`` / ``false`` in a YAML file
+    reaches us as a boolean (YAML 1.1), and would become the string 'False'. Where the setting takes 'off' / 'on'
+    (``model.activation_checkpointing: off``) that is what was meant; anywhere else the word is unknown: an error
+    that asks for quotes."""
+    for key in sorted(_string_keys()):
+        value = OmegaConf.select(layer, key, default=None)
+        if not isinstance(value, bool):
+            continue
+        word = "on" if value else "off"
+        if word in _CHOICES.get(key, ()):
+            OmegaConf.update(layer, key, word)
+        else:
+            raise ConfigError(f"invalid config in {yaml_path}: {key} is a string but YAML read its value as the "
+                              f"boolean {value}; write it in quotes ({key.rsplit('.', 1)[-1]}: \"...\")")
 
 
 def _omegaconf_message(e: OmegaConfBaseException) -> str:

@@ -77,6 +77,7 @@ def main(argv=None) -> int:
     from parallel.launch import init_distributed, read_launch_env
     from parallel.layout import make_layout
     from parallel.mesh import Mesh
+    from config import validate_config
     from training.engine import Engine
     from training.trainer import batch_source, check_data
 
@@ -86,6 +87,7 @@ def main(argv=None) -> int:
         f"data.tokenizer={sample / 'tokenizer.model'}", f"train.micro_batch_size={args.micro_batch}",
         f"train.global_batch_size={args.micro_batch * args.accum}", "logging.wandb.mode=disabled",
         "parallel.ranks_per_node=1", *args.overrides], "--preset")
+    validate_config(cfg)  # as train.py: a bad choice or range is one line here, not a silent default
     train_ds, _ = check_data(cfg)  # the data and tokenizer (overrides may name others) before the process group
     env = read_launch_env()
     init_distributed(env, device, 600.0)

@@ -299,3 +299,20 @@ def test_a_malformed_override_value_is_one_line_naming_it():
     with pytest.raises(ConfigError, match=r"override 'model.n_layers=\[x' is not a valid YAML value") as info:
         load_config(None, ["train.max_steps=3", "model.n_layers=[x"])
     assert "\n" not in str(info.value)
+
+
+def test_yaml_booleans_in_string_settings(tmp_path: Path) -> None:
+    """YAML 1.1 reads unquoted off/on/yes/no as booleans, which a string setting would turn into 'False': an
+    override keeps the word as typed, a file's off/on goes where the setting takes it, anything else is an error
+    that names the file and the key (train.py once refused ``model.activation_checkpointing=off``)."""
+    for word in ("off", '"off"'):
+        cfg = load_config(None, [f"model.activation_checkpointing={word}"])
+        assert cfg.model.activation_checkpointing == "off"
+        validate_config(cfg)
+    assert load_config(None, ["data.tokenizer=no"]).data.tokenizer == "no"
+    assert load_config(None, ["train.compile=false"]).train.compile is False  # a real boolean stays one
+    (tmp_path / "a.yaml").write_text("model:\n  activation_checkpointing: off\n")
+    assert load_config(str(tmp_path / "a.yaml")).model.activation_checkpointing == "off"
+    (tmp_path / "b.yaml").write_text("precision: no\n")
+    with pytest.raises(ConfigError, match=r"b\.yaml: precision is a string but YAML read its value as the boolean"):
+        load_config(str(tmp_path / "b.yaml"))
