@@ -306,7 +306,7 @@ def chain_share(row: Row, args, world: int) -> Optional[Dict[str, float]]:
     """A ZeRO-3 trainer row's step-boundary chain (``parallel/volume.boundary_chain_bytes``, rank 0, the analytic
     bytes on groups that cross nodes): ``chain`` and ``step`` bytes and ``share`` = chain / step. None for other
     rows (plain DP, FSDP2: not this trainer's units)."""
-    if row.script != "train" or "zero.stage=3" not in row.args:
+    if row.script != "train":
         return None
     if str(ROOT) not in sys.path:
         sys.path.insert(0, str(ROOT))
@@ -315,9 +315,12 @@ def chain_share(row: Row, args, world: int) -> Optional[Dict[str, float]]:
     from parallel.volume import boundary_chain_bytes
     from parallel.zero.sharded import early_step_applies
 
-    cfg = load_config(None, common_overrides(args, Path("unused"), world) + row.args)
+    cfg = load_config(None, row.args + common_overrides(args, Path("unused"), world))  # as run_row launches it
     layout = make_layout(cfg, world, args.ranks_per_node)
-    out = boundary_chain_bytes(cfg, layout, 0, early=early_step_applies(cfg.zero))
+    try:
+        out = boundary_chain_bytes(cfg, layout, 0, early=early_step_applies(cfg.zero))
+    except ValueError:  # not ZeRO-3 (the dp row, or --model made it another stage), or pipelined: not modelled
+        return None
     return {**out, "share": out["chain"] / out["step"]}
 
 
@@ -650,10 +653,11 @@ def bench(cluster: netemu.Cluster, args, names: List[str], workdir: Path) -> int
         if args.json:
             Path(args.json).write_text(json.dumps({"probe": res}, indent=1))
         return 0
-    results = run_rows(cluster, args, names, workdir)
     table_rows, world = rows_for(args.ranks_per_node), cluster.nodes * args.ranks_per_node
+    chains = {name: chain_share(table_rows[name], args, world) for name in names}  # before minutes of measuring
+    results = run_rows(cluster, args, names, workdir)
     for r in results:
-        r["chain"] = chain_share(table_rows[r["row"]], args, world)
+        r["chain"] = chains[r["row"]]
     print(f"\n{header(cluster, args)}\n\n{table(results, cluster, args)}", flush=True)
     for line in chain_lines(results) + profile_lines(results):
         print(line, flush=True)

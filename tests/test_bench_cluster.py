@@ -416,6 +416,8 @@ def test_chain_floor_and_its_table():
     rows = bench_cluster.rows_for(args.ranks_per_node)
     assert bench_cluster.chain_share(rows["fsdp2_hybrid"], args, 4) is None
     assert bench_cluster.chain_share(rows["dp"], args, 4) is None
+    stage2 = bench_cluster.parse_args(["--rows", "zero3", "--model", "zero.stage=2"])
+    assert bench_cluster.chain_share(rows["zero3"], stage2, 4) is None  # --model made it stage 2: no chain
     z3, zpp = (bench_cluster.chain_share(rows[n], args, 4) for n in ("zero3", "zeropp"))
     assert 0 < zpp["chain"] < z3["chain"] and zpp["share"] == pytest.approx(zpp["chain"] / zpp["step"])
     results = _synthetic(("zero3", "zeropp", "fsdp2_hybrid"))
