@@ -437,8 +437,10 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
                     reason = " ".join(str(getattr(e, "problem", None) or e).split())
                     raise ConfigError(f"override {o!r} is not a valid YAML value ({reason})") from None
                 key, text = o.split("=", 1)
-                if key.strip() in _string_keys() and isinstance(OmegaConf.select(layer, key.strip()), bool):
-                    OmegaConf.update(layer, key.strip(), text.strip())  # ``off`` as typed, not YAML 1.1's False
+                key = key.strip()
+                if key in _string_keys() and isinstance(OmegaConf.select(layer, key), (bool, int, float)):
+                    # a string setting is the text as typed: ``off`` (not YAML 1.1's False), ``007`` (not 7)
+                    OmegaConf.update(layer, key, text.strip())
                 layers.append(layer)
         if yaml_path is not None:
             _string_booleans(layers[0], yaml_path)

@@ -302,14 +302,17 @@ def test_a_malformed_override_value_is_one_line_naming_it():
 
 
 def test_yaml_booleans_in_string_settings(tmp_path: Path) -> None:
-    """YAML 1.1 reads unquoted off/on/yes/no as booleans, which a string setting would turn into 'False': an
-    override keeps the word as typed, a file's off/on goes where the setting takes it, anything else is an error
-    that names the file and the key (train.py once refused ``model.activation_checkpointing=off``)."""
+    """YAML 1.1 reads unquoted off/on/yes/no as booleans (and 007 as 7), which a string setting would turn into
+    'False' ('7'): an override keeps the text as typed, a file's off/on goes where the setting takes it, anything
+    else is an error that names the file and the key (train.py once refused ``model.activation_checkpointing=off``)."""
     for word in ("off", '"off"'):
         cfg = load_config(None, [f"model.activation_checkpointing={word}"])
         assert cfg.model.activation_checkpointing == "off"
         validate_config(cfg)
     assert load_config(None, ["data.tokenizer=no"]).data.tokenizer == "no"
+    assert load_config(None, ["logging.wandb.name=007"]).logging.wandb.name == "007"  # not YAML's 7
+    assert load_config(None, ["logging.wandb.name=1e3"]).logging.wandb.name == "1e3"  # not '1000.0'
+    assert load_config(None, ['logging.wandb.name="quoted"']).logging.wandb.name == "quoted"
     assert load_config(None, ["train.compile=false"]).train.compile is False  # a real boolean stays one
     (tmp_path / "a.yaml").write_text("model:\n  activation_checkpointing: off\n")
     assert load_config(str(tmp_path / "a.yaml")).model.activation_checkpointing == "off"
