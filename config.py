@@ -13,6 +13,7 @@ The bottom layer: every package imports its settings from here, and this file im
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 import typing
 from dataclasses import dataclass, field
@@ -455,18 +456,20 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
     return cfg
 
 
-def _string_keys(cls: type = None, prefix: str = "") -> set:
-    """Dotted keys of the string settings (``str`` or ``Optional[str]``)."""
-    cls = cls or Config
-    hints = typing.get_type_hints(cls)
-    out = set()
-    for f in dataclasses.fields(cls):
-        t = hints[f.name]
-        if dataclasses.is_dataclass(t):
-            out |= _string_keys(t, f"{prefix}{f.name}.")
-        elif t is str or t == Optional[str]:
-            out.add(prefix + f.name)
-    return out
+@functools.lru_cache(maxsize=None)
+def _string_keys() -> frozenset:
+    """Dotted keys of the string settings (``str`` or ``Optional[str]``), from the schema (once)."""
+
+    def walk(cls: type, prefix: str):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            elif t is str or t == Optional[str]:
+                yield prefix + f.name
+
+    return frozenset(walk(Config, ""))
 
 
 def _string_booleans(layer, yaml_path: str) -> None:

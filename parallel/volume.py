@@ -210,15 +210,15 @@ def _reduce_bytes(cfg: Config, s: int, n: int, x: int, y: int) -> Dict[str, floa
 
 def spans_nodes(group: str, layout: Layout, rank: int) -> bool:
     """Whether the analytic volume's ``group`` of ``rank`` has members on more than one node (the ledger's
-    ``inter`` link): the DP groups that cross nodes (``dp`` where the DP peers sit on several nodes, ``dp_inter``,
-    ``qwz_inter``), ``world`` and ``pp`` where the job spans nodes; TP, the node's DP peers (``dp_intra``,
-    ``qwz_intra``) and hpZ (``dp_hpz``, inside a node by the layout's rule) never."""
-    nodes = len(layout.dp_inter_ranks(rank))
+    ``inter`` link), for the groups of a job without pipelining (``boundary_chain_bytes``): the DP groups that
+    cross nodes (``dp`` where the DP peers sit on several nodes, ``dp_inter``, ``qwz_inter``) and ``world`` where
+    the job spans nodes; TP, the node's DP peers (``dp_intra``, ``qwz_intra``) and hpZ (``dp_hpz``, inside a node
+    by the layout's rule) never."""
     if group in ("dp_inter", "qwz_inter"):
         return True
     if group == "dp":
-        return nodes > 1
-    if group in ("world", "pp", "embedding"):
+        return len(layout.dp_inter_ranks(rank)) > 1
+    if group == "world":
         return layout.world_size > layout.ranks_per_node
     return False
 

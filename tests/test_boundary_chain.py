@@ -32,7 +32,8 @@ def first_two_modules(cfg):
 
 
 def shard(numel: int, n: int) -> int:
-    return -(-(-(-numel // n)) // ALIGN) * ALIGN
+    """Elements of each of n shards: numel / n rounded up, then up to a multiple of ALIGN."""
+    return math.ceil(math.ceil(numel / n) / ALIGN) * ALIGN
 
 
 def test_plain_zero3_chain_is_one_reduce_and_one_gather_of_the_first_two_modules():
@@ -49,7 +50,7 @@ def test_zeropp_chain_counts_only_the_hops_that_cross_nodes():
     cfg = tiny_config(*ZEROPP)
     layout = make_layout(cfg, 4, 2)
     n, x, y = 4, 2, 2
-    q8, q4 = Quant(8, 128), Quant(4, 128)
+    q4 = Quant(4, 128)
     expected = 0.0
     for numel in first_two_modules(cfg):
         s = shard(numel, n)
