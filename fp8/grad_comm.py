@@ -176,6 +176,25 @@ def _counts(total: torch.Tensor, offset: int, bounds: Bounds, dtype: torch.dtype
     return over, numel
 
 
+def reduce_one_rank(data: torch.Tensor, scales: torch.Tensor, segments: Segments,
+                    position: torch.Tensor) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """``_all_reduce_fp8`` over a group of one member without its exchange and its buffer-sized temporaries:
+    ``(out, shared, overflow)`` with the bits of the general path (tested): the sum over one rank is the rank's
+    own values (a -0 summed reads +0), the shared scale each tensor's own (1 for an all-zero tensor: its
+    offered +inf), ``overflow`` the elements inside tensors that are not finite. ``segments`` / ``position``:
+    ``_segments(bounds, 0, data.numel())``'s. A few fused kernels under ``train.compile`` (``fp8/zero.py``),
+    where the general path's copies, float64 mask and per-tensor norms took ~40 eager kernels a unit."""
+    total = data.float()
+    total = torch.where(total == 0, 0.0, total)  # not `+ 0.0`: inductor drops an added zero
+    magnitude = total.abs()
+    peak = segments.max(magnitude)[1::2][position]  # NaN propagates: a NaN is not zero (its magnitude bits)
+    offer = torch.where(peak != 0, scales.float(), torch.full_like(scales, float("inf"), dtype=torch.float32))
+    shared = torch.where(torch.isfinite(offer), offer, torch.ones_like(offer))
+    bad = (~(magnitude <= format_max(data.dtype))).to(torch.float64)
+    over = segments.sum(bad)[1::2].sum().to(torch.int64)
+    return quantize(total, 1.0, data.dtype), shared, over
+
+
 def reduce_scatter_fp8(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds, group: Group) -> ReduceResult:
     """Sum FP8 ``data`` (flat, length N*S, tensor i at ``bounds[i]`` with scale ``scales[i]``) over ``group``;
     this rank keeps shard ``rank`` (elements ``rank*S .. (rank+1)*S``) as an fp32 sum. ``data`` is re-cast

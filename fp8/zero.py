@@ -53,7 +53,7 @@ from torch import nn
 from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
-from fp8.grad_comm import AutoScale, _all_reduce_fp8, _reduce_scatter_fp8, cast_gradients
+from fp8.grad_comm import AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients, reduce_one_rank
 from fp8.segments import Segments
 from model.compile import backend as compile_backend, enabled as compile_enabled
 from parallel import comm
@@ -258,6 +258,7 @@ class Fp8DataParallel(ZeroDataParallel):
         jit = (lambda fn: torch.compile(fn, backend=compile_backend())) if compiled else (lambda fn: fn)
         self._adamw, self._cast, self._dequantize = (jit(adam.adamw_update_packed), jit(cast_gradients),
                                                      jit(dequantize_segments))
+        self._reduce_one = jit(reduce_one_rank)
         self._lr = torch.zeros((), dtype=torch.float64, device=mesh.device) if compiled else None
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed))
@@ -312,7 +313,12 @@ class Fp8DataParallel(ZeroDataParallel):
         self.working.sub(acc.numel() * 4)
         del acc
         dp = self.mesh.dp
-        if self.stage == 0:  # every rank keeps the whole reduced gradient (flat layout: bounds == where)
+        if self.stage == 0 and dp.size == 1:  # one rank: no exchange, the same bits (grad_comm.reduce_one_rank)
+            segments, _, position = _segments(_key(unit.bounds), 0, data.numel(), data.device)
+            out, result_scale, overflow = self._reduce_one(data, scales, segments, position)
+            numel = sum(b - a for a, b in unit.bounds)
+            unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
+        elif self.stage == 0:  # every rank keeps the whole reduced gradient (flat layout: bounds == where)
             out, result_scale, overflow, numel = _all_reduce_fp8(data, scales, unit.bounds, dp)
             unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
         else:  # this rank keeps its owned tensors' sums, cast back to FP8 (data in the scale N s'_g convention)

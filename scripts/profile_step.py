@@ -56,10 +56,13 @@ def main(argv=None) -> int:
     ap.add_argument("--accum", type=int, default=1)
     ap.add_argument("--warmup", type=int, default=3)
     ap.add_argument("--top", type=int, default=15)
+    ap.add_argument("--kernels", type=int, default=0,
+                    help="also list the N kernels with the most device time, full names (0: none)")
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     # bad input before anything is built: one line, exit code 2 (scripts/_cli.py)
+    at_least(args.kernels, 0, "--kernels")
     for option in ("micro_batch", "accum", "top"):
         at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     at_least(args.warmup, 0, "--warmup")
@@ -149,6 +152,12 @@ def main(argv=None) -> int:
     for key, count, ms in sorted(syncs, key=lambda s: -s[2]):
         print(f"| {key} | {count} | {ms:.1f} |")
     print()
+    if on_device and args.kernels:
+        print(f"| kernel (top {args.kernels} by device time) | calls | device ms | us a call |")
+        print("|---|---:|---:|---:|")
+        for e in sorted(kernels, key=lambda e: -dev_time(e))[:args.kernels]:
+            print(f"| {e.key} | {e.count} | {dev_time(e) / 1e3:.2f} | {dev_time(e) / e.count:.1f} |")
+        print()
     sort = "self_device_time_total" if on_device else "self_cpu_time_total"
     try:
         print(events.table(sort_by=sort, row_limit=args.top, max_name_column_width=60))

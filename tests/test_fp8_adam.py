@@ -349,6 +349,66 @@ def test_packed_update_is_the_per_tensor_update_bit_for_bit(master_dtype, fused)
     assert torch.isnan(flat["m"].float()).any()  # the NaN reached the state, as in the per-tensor update
 
 
+def test_compiled_spread_is_the_fills_gather():
+    """Segments.spread traced (train.compile: a segment search and a gather, inductor's code on this CPU) gives
+    the eager fills' values: empty first, middle and last segments, fp32 and float64 values."""
+    from fp8.segments import Segments
+
+    lengths = [0, 3, 0, 1, 17, 0, 64, 5, 0]
+    seg = Segments(lengths, "cpu")
+    want_of = lambda v: torch.cat([x.expand(n) for x, n in zip(v, lengths)])  # noqa: E731
+    spread = torch.compile(lambda v: seg.spread(v * 2), backend="inductor", fullgraph=True)
+    for dtype in (torch.float32, torch.float64):
+        values = torch.randn(len(lengths), dtype=dtype)
+        assert torch.equal(spread(values), want_of(values * 2))
+        assert torch.equal(seg.spread(values), want_of(values))  # eager: the fills
+
+
+@pytest.mark.parametrize("master_dtype", ["fp16", "fp32"])
+def test_compiled_packed_update_tracks_the_eager_one(master_dtype):
+    """The packed AdamW as train.compile runs it (traced: the compiled spread's gathers; aot_eager runs the traced
+    graph with torch's kernels) against the eager packed update, NaN gradient and empty tensor included. Not bit
+    for bit: traced, ``addcmul_`` becomes an explicit fused multiply-add (torch's rewrite), 1 ulp from the CPU
+    kernel in places, which a requantization can turn into one step of the stored format; a wrong per-tensor
+    scale (a power of two) or a value read from another tensor is far outside that."""
+    from fp8.adam import adamw_update_packed
+    from fp8.format import dequantize
+    from fp8.segments import Segments
+
+    g = torch.Generator().manual_seed(11)
+    sizes = [1, 9, 0, 33, 100, 4099]
+    values = [torch.randn(n, generator=g) * 10.0 ** (i % 4 - 2) for i, n in enumerate(sizes)]
+    states = [init_state(x, master_dtype) for x in values]
+    flat = {k: torch.cat([st[k].reshape(-1) for st in states]) for k in ("master", "m", "v")}
+    scales = {k: torch.stack([st[k] if st[k] is not None else torch.ones(()) for st in states])
+              for k in ("master_scale", "m_scale", "v_scale")}
+    twin = ({k: v.clone() for k, v in flat.items()}, {k: v.clone() for k, v in scales.items()})
+    seg, decay = Segments(sizes, "cpu", fused=False), torch.tensor([WD, 0.0] * 3, dtype=torch.float64)
+    compiled = torch.compile(adamw_update_packed, backend="aot_eager")
+    lr = torch.tensor(LR, dtype=torch.float64)
+    for step in range(1, 4):
+        grad = torch.randn(sum(sizes), generator=g) * 10.0 ** (step - 2)
+        if step == 2:
+            grad[50] = float("nan")
+        for fn, (f, s) in ((adamw_update_packed, (flat, scales)), (compiled, twin)):
+            fn(f["master"], s["master_scale"] if master_dtype == "fp16" else None, f["m"], s["m_scale"], f["v"],
+               s["v_scale"], grad, seg, decay, step=step, lr=lr, beta1=0.9, beta2=0.95, eps=1e-8)
+        for k, scale_key, step_size in (("master", "master_scale", 2 ** -10), ("m", "m_scale", 2 ** -3),
+                                        ("v", "v_scale", 2 ** -10)):
+            per_element = torch.cat([s.expand(n) for s, n in zip(scales[scale_key], sizes)])
+            twin_scale = torch.cat([s.expand(n) for s, n in zip(twin[1][scale_key], sizes)])
+            if k == "master" and master_dtype == "fp32":
+                per_element = twin_scale = torch.ones(())
+                step_size = 2 ** -22
+            want = dequantize(flat[k], per_element, torch.float64)
+            got = dequantize(twin[0][k], twin_scale, torch.float64)
+            # one step of the format relative to the value, or to the tensor's largest (a difference of two close
+            # values, master - update, keeps the update's absolute error)
+            atol = step_size * float(want.nan_to_num(0.0).abs().max())
+            torch.testing.assert_close(got, want, rtol=step_size, atol=atol, equal_nan=True)
+    assert torch.isnan(flat["m"].float()).any() and torch.isnan(twin[0]["m"].float()).any()
+
+
 def test_power_of_two_scale_is_the_exact_floor_for_one_or_many():
     """2**floor(log2(max / amax)) exactly (float64 math as the reference), the same bits whether the scales are
     computed one at a time or all at once; amax just above a power-of-two boundary included."""

@@ -535,3 +535,34 @@ def test_whole_buffer_gradient_cast_is_the_per_tensor_cast_bit_for_bit(fmt, fuse
         assert torch.equal(q.view(torch.uint8), torch.cat([w[0].view(torch.uint8) for w in want])), mu
         assert torch.equal(scales, torch.stack([w[1] for w in want])), mu
         assert int(saturated) == sum(int(w[2]) for w in want), mu
+
+
+@pytest.mark.parametrize("fmt", ["e5m2", "e4m3"])
+@pytest.mark.parametrize("compiled", [False, True], ids=["eager", "traced"])
+def test_one_rank_reduce_is_the_exchange_path_bit_for_bit(fmt, compiled):
+    """grad_comm.reduce_one_rank (what fp8/zero.py runs at stage 0 with one DP rank) against the general
+    _all_reduce_fp8 over a group of one: the output bytes, the shared scales and the overflow count, with a -0,
+    a NaN, an infinity (E5M2), an all-zero tensor, an empty one, a non-finite scale and garbage in the gaps.
+    Traced: as train.compile runs it (aot_eager: the traced graph on torch's kernels)."""
+    from fp8.format import FORMATS
+    from fp8.grad_comm import _all_reduce_fp8, _key, _segments, reduce_one_rank
+
+    dtype = FORMATS[fmt]
+    g = torch.Generator().manual_seed(5)
+    bounds = [(0, 40), (48, 48), (48, 100), (104, 180), (180, 200)]  # gaps 40-48, 100-104, 200-208; one empty
+    data = (torch.randn(208, generator=g) * 100).to(dtype)
+    data[48:100] = 0.0  # tensor 2 all zero ...
+    data[60] = -0.0     # ... one of them a -0
+    data[110] = float("nan")
+    if fmt == "e5m2":
+        data[120] = float("inf")
+        data[121] = -float("inf")
+    scales = torch.tensor([2.0, 4.0, 0.5, 8.0, float("inf")])
+    out, shared, over = (torch.compile(reduce_one_rank, backend="aot_eager") if compiled else reduce_one_rank)(
+        data, scales, *(_segments(_key(bounds), 0, data.numel(), data.device)[i] for i in (0, 2)))
+    want_out, want_scale, want_over, want_numel = _all_reduce_fp8(data.clone(), scales, bounds, _group(0, 1))
+    assert torch.equal(out.view(torch.uint8), want_out.view(torch.uint8))
+    assert torch.equal(shared, want_scale)
+    assert int(over) == int(want_over) == (3 if fmt == "e5m2" else 1)
+    assert shared.tolist() == [2.0, 1.0, 1.0, 8.0, 1.0]  # the all-zero and the empty tensor, the inf scale: 1
+    assert want_numel == 40 + 52 + 76 + 20
