@@ -179,10 +179,13 @@ class _Fp8Linear(torch.autograd.Function):
                 gx = out
             grad_x = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            # fp32 out: the weight gradient is accumulated over micro-batches in the weight's dtype
-            grad_w = _mm(qg.t(), sg, qx2, sx, torch.float32, ctx.emulate).to(ctx.w_dtype)
+            # out in the weight's dtype, rounded once from the GEMM's fp32 sums (an fp32 out and a cast after
+            # wrote and read a [out, in] fp32 buffer per GEMM; same values on CPU, where _mm casts last anyway)
+            # (emulated: the dequantized operands multiplied in fp32, as before)
+            out = torch.float32 if ctx.emulate else ctx.w_dtype
+            grad_w = _mm(qg.t(), sg, qx2, sx, out, ctx.emulate).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
-            grad_b = g2.float().sum(0).to(ctx.bias_dtype)
+            grad_b = g2.sum(0, dtype=torch.float32).to(ctx.bias_dtype)  # (upcast inside the reduction: no fp32 copy of dy)
         return grad_x, grad_w, grad_b, None, None, None, None, None, None, None, None
 
 

@@ -53,7 +53,8 @@ from torch import nn
 from config import Config
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
-from fp8.grad_comm import AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients, reduce_one_rank
+from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients,
+                           reduce_one_rank)
 from fp8.segments import Segments
 from model.compile import backend as compile_backend, enabled as compile_enabled
 from parallel import comm
@@ -220,6 +221,26 @@ def dequantize_segments(q: torch.Tensor, scales: torch.Tensor, segments: Segment
     return dequantize(q, segments.spread(scales))
 
 
+def dequantize_gradients(q: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
+    """``dequantize_segments`` of the reduced FP8 gradients: a function of its own so that, compiled, its
+    variants (one per kind of unit) are counted apart from the master weights' against torch's recompile limit."""
+    return dequantize_segments(q, scales, segments)
+
+
+def _compiled_without_grad(fn):
+    """``fn`` through torch.compile, always entered with autograd off: these whole-unit operations are called
+    from autograd hooks and from the step alike, and a compiled function is guarded on the grad mode it was
+    entered with (each mode was a recompilation of each kind of unit: dequantize_segments reached torch's limit
+    of 8 on gpt_1.3b and ran eager from then on)."""
+    compiled = torch.compile(fn, backend=compile_backend())
+
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
 def packed_updates(device: torch.device) -> bool:
     """Whether a unit's tensors are updated together (packed) or one by one; the same bits either way (tested).
 
@@ -255,10 +276,10 @@ class Fp8DataParallel(ZeroDataParallel):
         # train.compile: a unit's whole-unit operations (gradient cast, dequantizations, the AdamW update) compiled,
         # each into a few fused kernels (one graph per kind of unit: embedding, block, final norm)
         compiled = compile_enabled(cfg, mesh.device) and self.packed
-        jit = (lambda fn: torch.compile(fn, backend=compile_backend())) if compiled else (lambda fn: fn)
+        jit = _compiled_without_grad if compiled else (lambda fn: fn)
         self._adamw, self._cast, self._dequantize = (jit(adam.adamw_update_packed), jit(cast_gradients),
                                                      jit(dequantize_segments))
-        self._reduce_one = jit(reduce_one_rank)
+        self._reduce_one, self._dequantize_grads = jit(reduce_one_rank), jit(dequantize_gradients)
         self._lr = torch.zeros((), dtype=torch.float64, device=mesh.device) if compiled else None
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed))
@@ -341,7 +362,8 @@ class Fp8DataParallel(ZeroDataParallel):
     def _owned_grads(self, u: Fp8Unit) -> torch.Tensor:
         """The DP mean of mu * g for every owned tensor, back to back (``where`` order), fp32: ``_grad`` of each."""
         pk = u.packing()
-        return self._dequantize(u.grad8[:u.extent].view(self.grad_fmt), u.grad_scale[pk["index"]], pk["owned"])
+        return self._dequantize_grads(u.grad8[:u.extent].view(self.grad_fmt), u.grad_scale[pk["index"]],
+                                      pk["owned"])
 
     def _grad(self, u: Fp8Unit, i: int) -> torch.Tensor:
         """The DP mean of mu * g for owned tensor i, fp32."""
