@@ -45,7 +45,7 @@ from __future__ import annotations
 import math
 import os
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple, Union
 
 import torch
 from torch import nn
@@ -172,6 +172,7 @@ class Fp8Unit:
                 "index": as_tensor(self.owned, torch.int64),
                 "decay": as_tensor([bool(self.decay[i]) for i in self.owned], torch.bool),
                 "in_norm": as_tensor([bool(self.in_norm[i]) for i in self.owned], torch.bool),
+                "all_owned": list(self.owned) == list(range(len(self.params))),
                 "compact": Segments([b - a for a, b in self.compact], device)}
         return self._packing
 
@@ -221,10 +222,30 @@ def dequantize_segments(q: torch.Tensor, scales: torch.Tensor, segments: Segment
     return dequantize(q, segments.spread(scales))
 
 
-def dequantize_gradients(q: torch.Tensor, scales: torch.Tensor, segments: Segments) -> torch.Tensor:
-    """``dequantize_segments`` of the reduced FP8 gradients: a function of its own so that, compiled, its
-    variants (one per kind of unit) are counted apart from the master weights' against torch's recompile limit."""
-    return dequantize_segments(q, scales, segments)
+def unit_update(grad8: torch.Tensor, grad_scales: torch.Tensor, factor: Union[float, torch.Tensor],
+                master: torch.Tensor, master_scales: Optional[torch.Tensor], m: torch.Tensor, m_scales: torch.Tensor,
+                v: torch.Tensor, v_scales: torch.Tensor, segments: Segments, weight_decays: torch.Tensor,
+                **hyper) -> None:
+    """One unit's AdamW step from its reduced FP8 gradients: ``grad = dequantize(grad8) * factor`` (the clipping
+    and mu factor), then ``adam.adamw_update_packed``. One function, so that compiled (``train.compile``) the
+    gradient is read as FP8 inside the update's kernel instead of written in fp32 and read back; ``factor`` a
+    0-dim fp32 tensor there (a Python float would be a constant of the graph), the same product."""
+    grad = dequantize_segments(grad8, grad_scales, segments) * factor
+    adam.adamw_update_packed(master, master_scales, m, m_scales, v, v_scales, grad, segments, weight_decays, **hyper)
+
+
+def unit_square_sum(grad8: torch.Tensor, grad_scales: torch.Tensor, segments: Segments,
+                    in_norm: torch.Tensor) -> torch.Tensor:
+    """The sum of squares of a unit's reduced gradients over the tensors that count in the norm (per tensor first,
+    as the per-tensor loop adds them up)."""
+    per_tensor = segments.sum(dequantize_segments(grad8, grad_scales, segments).square())
+    return torch.where(in_norm, per_tensor, torch.zeros_like(per_tensor)).sum()
+
+
+def materialize_packed(full: torch.Tensor, master: torch.Tensor, master_scales: torch.Tensor,
+                       segments: Segments) -> None:
+    """Stage 0's working weights (``full``, bf16) from a unit's scaled FP16 masters, written in place."""
+    full.copy_(dequantize(master, segments.spread(master_scales), full.dtype))
 
 
 def _compiled_without_grad(fn):
@@ -277,9 +298,11 @@ class Fp8DataParallel(ZeroDataParallel):
         # each into a few fused kernels (one graph per kind of unit: embedding, block, final norm)
         compiled = compile_enabled(cfg, mesh.device) and self.packed
         jit = _compiled_without_grad if compiled else (lambda fn: fn)
-        self._adamw, self._cast, self._dequantize = (jit(adam.adamw_update_packed), jit(cast_gradients),
-                                                     jit(dequantize_segments))
-        self._reduce_one, self._dequantize_grads = jit(reduce_one_rank), jit(dequantize_gradients)
+        self._cast, self._reduce_one = jit(cast_gradients), jit(reduce_one_rank)
+        self._unit_update, self._square_sum, self._materialize_packed = (jit(unit_update), jit(unit_square_sum),
+                                                                          jit(materialize_packed))
+        # compiled: the per-step scalars as device tensors (a Python float is a constant of a compiled graph)
+        self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device) if compiled else None
         self._lr = torch.zeros((), dtype=torch.float64, device=mesh.device) if compiled else None
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed))
@@ -359,11 +382,12 @@ class Fp8DataParallel(ZeroDataParallel):
             if not u.reduced:  # a unit that got no gradient hook on the last backward
                 self._reduce(u)
 
-    def _owned_grads(self, u: Fp8Unit) -> torch.Tensor:
-        """The DP mean of mu * g for every owned tensor, back to back (``where`` order), fp32: ``_grad`` of each."""
+    @staticmethod
+    def _owned_scales(u: Fp8Unit, scales: torch.Tensor) -> torch.Tensor:
+        """The owned tensors' entries of a unit's [T] scales: the tensor itself where the rank owns them all, in
+        order (stage 0; updated in place then), else a copy."""
         pk = u.packing()
-        return self._dequantize_grads(u.grad8[:u.extent].view(self.grad_fmt), u.grad_scale[pk["index"]],
-                                      pk["owned"])
+        return scales if pk["all_owned"] else scales[pk["index"]]
 
     def _grad(self, u: Fp8Unit, i: int) -> torch.Tensor:
         """The DP mean of mu * g for owned tensor i, fp32."""
@@ -384,8 +408,8 @@ class Fp8DataParallel(ZeroDataParallel):
                             sq += self._grad(u, i).square().sum()
                 elif u.owned:
                     pk = u.packing()
-                    per_tensor = pk["owned"].sum(self._owned_grads(u).square())
-                    sq += torch.where(pk["in_norm"], per_tensor, torch.zeros_like(per_tensor)).sum()
+                    sq += self._square_sum(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale),
+                                           pk["owned"], pk["in_norm"])
         terms = torch.cat([sq.double(), self._overflow])
         self._overflow.zero_()
         return terms
@@ -422,15 +446,17 @@ class Fp8DataParallel(ZeroDataParallel):
             if not u.owned:
                 continue
             pk = u.packing()
-            idx = pk["index"]
-            scales = [u.master_scale[idx], u.m_scale[idx], u.v_scale[idx]]
-            grad = self._owned_grads(u) * self._factor
-            weight_decays = pk["decay"].to(torch.float64) * t.weight_decay  # exactly wd or 0, in float64
-            self._adamw(u.master, scales[0], u.m, scales[1], u.v, scales[2], grad, pk["owned"], weight_decays,
-                        step=self.optimizer_steps, lr=lr if self._lr is None else self._lr.fill_(lr), beta1=t.beta1,
-                        beta2=t.beta2, eps=t.eps)
-            for dst, src in zip((u.master_scale, u.m_scale, u.v_scale), scales):
-                dst.index_copy_(0, idx, src)
+            if "weight_decays" not in pk:  # exactly wd or 0, in float64 (made once: the config's wd is fixed)
+                pk["weight_decays"] = pk["decay"].to(torch.float64) * t.weight_decay
+            scales = [self._owned_scales(u, x) for x in (u.master_scale, u.m_scale, u.v_scale)]
+            factor = self._factor if self._factor_t is None else self._factor_t.fill_(self._factor)
+            self._unit_update(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale), factor,
+                              u.master, scales[0], u.m, scales[1], u.v, scales[2], pk["owned"], pk["weight_decays"],
+                              step=self.optimizer_steps, lr=lr if self._lr is None else self._lr.fill_(lr),
+                              beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+            if not pk["all_owned"]:  # updated copies of the owned entries: back into the unit's scales
+                for dst, src in zip((u.master_scale, u.m_scale, u.v_scale), scales):
+                    dst.index_copy_(0, pk["index"], src)
         self._refresh_weights()
 
     @torch.no_grad()
@@ -498,7 +524,7 @@ class Fp8DataParallel(ZeroDataParallel):
         elif unit.master.dtype == torch.float32:  # packed: owned = all, where = compact (back to back)
             unit.full.copy_(unit.master)
         else:
-            unit.full.copy_(self._dequantize(unit.master, unit.master_scale, unit.packing()["owned"]))
+            self._materialize_packed(unit.full, unit.master, unit.master_scale, unit.packing()["owned"])
 
     def _start_gather(self, unit: Fp8Unit) -> None:
         if unit.gathered or unit.gather_work is not None:
