@@ -15,10 +15,13 @@
 #   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_1.3b, bf16 and fp8, recompute off,
 #      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
 #      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
-#   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4).
+#   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4), with the
+#      40 kernels that take the most device time by full name.
 # Environment knobs: GPU_CHECK_STEPS (bench steps, default 12), GPU_CHECK_SKIP (space-separated step
 # numbers to skip, e.g. "4 5"), GPU_CHECK_PRESETS (default "gpt_1.3b"), GPU_CHECK_RECOMPUTE (default "off"),
-# GPU_CHECK_PROFILE (precisions profiled, default "bf16 fp8"), GPU_CHECK_TESTS (pytest -k expression for step 2).
+# GPU_CHECK_PROFILE (precisions profiled, default "bf16 fp8"), GPU_CHECK_TESTS (pytest -k expression for step 2),
+# GPU_CHECK_TRACE (non-empty: step 5 also writes OUTDIR/trace_<precision>.json.gz, a Chrome trace of the step:
+# gaps between kernels and the host work behind them; ~1-2 MB each).
 set -uo pipefail
 ROOT="$(cd "$(dirname "$0")/.." && pwd)"
 WHEELS=(omegaconf==2.3.0 antlr4-python3-runtime==4.9.3 torchao==0.18.0)
@@ -44,6 +47,7 @@ PRESETS="${GPU_CHECK_PRESETS:-gpt_1.3b}"
 RECOMPUTE="${GPU_CHECK_RECOMPUTE:-off}"
 PROFILE="${GPU_CHECK_PROFILE:-bf16 fp8}"
 TESTS="${GPU_CHECK_TESTS:-}"
+TRACE="${GPU_CHECK_TRACE:-}"
 REPORT="$OUT/report.md"
 status=0
 
@@ -113,7 +117,9 @@ run 4 480 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recomput
 section "5. where one step's time goes"
 for prec in $PROFILE; do
     run 5 180 "profile_${prec}.log" "$PY" scripts/profile_step.py --preset gpt_1.3b --precision "$prec" \
-        --micro-batch 4 --accum 4 --warmup 3 model.activation_checkpointing=off
+        --micro-batch 4 --accum 4 --warmup 3 --kernels 40 ${TRACE:+--trace "$OUT/trace_${prec}.json"} \
+        model.activation_checkpointing=off
+    [[ -n "$TRACE" && -f "$OUT/trace_${prec}.json" ]] && gzip -f "$OUT/trace_${prec}.json"
 done
 
 echo | tee -a "$REPORT"
