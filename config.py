@@ -279,6 +279,11 @@ class Fp8Config:
     """Run the output head's GEMMs in FP8 too (default: bf16, like the embedding, norms and attention core)."""
     sequence_parallel_fp8: bool = True
     """With sequence parallelism, cast activations to E4M3 before the all-gather (half the bytes of bf16)."""
+    cast_transpose: bool = False
+    """The backward GEMMs' FP8 operands (the output gradient with its transpose, the saved input's transpose) made
+    by the Triton kernels of kernels/fp8_transpose.py (Transformer Engine's cast_transpose) instead of torch ops
+    that inductor fuses; the same bytes (tested). CPU runs the same plain-torch operations either way. Off until
+    a GPU run has timed it."""
     emulate: bool = False
     """Quantize/dequantize around bf16 GEMMs instead of FP8 GEMMs: numerics of FP8 on GPUs without FP8
     (V100, A100); no speed-up."""

@@ -47,6 +47,7 @@ import torch
 
 from fp8.format import dequantize
 from fp8.scaling import Fp8States
+from kernels import fp8_transpose
 from parallel import comm
 from parallel.comm import Group
 
@@ -167,7 +168,12 @@ class _Fp8Linear(torch.autograd.Function):
     def backward(ctx, grad_y):
         qx2, qw, sx, sw = ctx.saved_tensors
         g2 = grad_y.reshape(-1, grad_y.shape[-1])
-        qg, sg = ctx.states.grad.cast(g2, ctx.tp)
+        # fp8.cast_transpose: dy's cast and its transpose in one pass, and x's transpose, by kernels/fp8_transpose.py
+        kernel = ctx.states.cfg.cast_transpose and not ctx.emulate
+        if kernel:
+            qg, qgt, sg = ctx.states.grad.cast(g2, ctx.tp, transposed=True)
+        else:
+            qg, sg = ctx.states.grad.cast(g2, ctx.tp)
         grad_x = grad_w = grad_b = None
         if ctx.needs_input_grad[0]:
             gx = _mm(qg, sg, qw, sw, ctx.out_dtype, ctx.emulate)  # [tokens, in]
@@ -183,7 +189,10 @@ class _Fp8Linear(torch.autograd.Function):
             # wrote and read a [out, in] fp32 buffer per GEMM; same values on CPU, where _mm casts last anyway)
             # (emulated: the dequantized operands multiplied in fp32, as before)
             out = torch.float32 if ctx.emulate else ctx.w_dtype
-            grad_w = _mm(qg.t(), sg, qx2, sx, out, ctx.emulate).to(ctx.w_dtype)
+            if kernel:  # both operands K-major already: _mm's layout calls are no-ops on them
+                grad_w = _mm(qgt, sg, fp8_transpose.transpose(qx2).t(), sx, out, False).to(ctx.w_dtype)
+            else:
+                grad_w = _mm(qg.t(), sg, qx2, sx, out, ctx.emulate).to(ctx.w_dtype)
         if ctx.has_bias and ctx.needs_input_grad[2]:
             # (measured on an H200, gpt_1.3b: written as g2.sum(0, dtype=torch.float32), inductor dropped the fp32 copy
             # of dy from the fused gelu-backward kernel but recomputed that kernel's chain inside the sum: 2 ms slower)

@@ -57,10 +57,12 @@ from torch import nn
 
 from config import Fp8Config
 from fp8.format import E4M3, FORMATS, amax, format_max, quantize, scale_from_amax
+from kernels import fp8_transpose
 from parallel import comm
 from parallel.comm import Group
 
 ROLES = ("input", "weight", "grad")
+FORMAT_NAMES = {dtype: name for name, dtype in FORMATS.items()}
 FIELDS = ("scale", "amax_history", "pending", "initialized")
 SCALINGS = ("delayed", "current")
 AMAX_COMPUTES = ("max", "most_recent")
@@ -125,8 +127,11 @@ class ScaleState:
 
     # -- the cast ---------------------------------------------------------------------------------
 
-    def cast(self, x: torch.Tensor, tp: Group, record: bool = True) -> Tuple[torch.Tensor, torch.Tensor]:
+    def cast(self, x: torch.Tensor, tp: Group, record: bool = True,
+             transposed: bool = False) -> Tuple[torch.Tensor, ...]:
         """``(q, scale)``: ``q = quantize(x, scale, self.dtype)`` and a copy of the scale used (0-dim fp32).
+        ``transposed`` (x 2-D): ``(q, qT, scale)``, qT the transpose of q (contiguous), both made in one pass by
+        ``kernels/fp8_transpose.cast_transpose``.
         ``record=False`` (forward-only passes such as validation): delayed scaling does not fold this amax
         into the next update, so evaluating never changes the training run's scales.
 
@@ -152,6 +157,9 @@ class ScaleState:
                 if record:
                     self.pending.copy_(torch.maximum(self.pending, a[0]))
             scale = self.scale.clone()
+            if transposed:
+                q, qt = fp8_transpose.cast_transpose(x.contiguous(), scale, FORMAT_NAMES[self.dtype])
+                return q, qt, scale
             return quantize(x, scale, self.dtype), scale
 
     # -- delayed scaling --------------------------------------------------------------------------

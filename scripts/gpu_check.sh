@@ -15,6 +15,7 @@
 #   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_1.3b, bf16 and fp8, recompute off,
 #      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
 #      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
+#   4b. the fp8 row again with fp8.cast_transpose=true (kernels/fp8_transpose.py instead of inductor's casts).
 #   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4), with the
 #      40 kernels that take the most device time by full name.
 # Environment knobs: GPU_CHECK_STEPS (bench steps, default 12), GPU_CHECK_SKIP (space-separated step
@@ -113,6 +114,11 @@ section "4. speed: tokens/s, TFLOP/s and MFU on one GPU"
 # shellcheck disable=SC2086
 run 4 480 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
     --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4
+
+section "4b. speed: fp8 with the cast-and-transpose kernels (fp8.cast_transpose=true)"
+# shellcheck disable=SC2086
+run 4b 300 bench_fp8_cast_transpose.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
+    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --precisions fp8 --no-peers fp8.cast_transpose=true
 
 section "5. where one step's time goes"
 for prec in $PROFILE; do

@@ -328,6 +328,44 @@ def test_fp8_linear_function_directly_and_its_scales() -> None:
     assert float(st.grad.pending) > 0
 
 
+@pytest.mark.parametrize("traced", [False, True], ids=["eager", "traced"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+def test_cast_transpose_kernels_give_the_same_gradients(dtype, traced) -> None:
+    """fp8.cast_transpose=true (the backward operands cast and transposed by kernels/fp8_transpose.py: on CPU its
+    plain-torch path) against the default: the same output and the same input, weight and bias gradients, with
+    delayed and current scaling; traced by torch.compile too (aot_eager) where train.compile would put it. The
+    weight-gradient GEMM reads its operands from other layouts, so its sums may be grouped otherwise: within the
+    fp32 accumulation bound, every other result bit for bit."""
+    from fp8.linear import fp8_linear
+    from fp8.scaling import Fp8States
+
+    results = []
+    for scaling in ("delayed", "current"):
+        for on in (False, True):
+            st = Fp8States(_cfg(scaling=scaling, cast_transpose=on))
+            x = _rand(5, S, B, IN, dtype=dtype).requires_grad_()
+            w = _rand(6, OUT, IN, dtype=dtype).requires_grad_()
+            b = _rand(8, OUT, dtype=dtype).requires_grad_()
+
+            def run(x, w, b, st=st):
+                return fp8_linear(x, w, b, st, _group(), sp_gather=False, emulate=False)
+
+            fn = torch.compile(run, backend="aot_eager") if traced else run
+            y = fn(x, w, b)
+            y.backward(_rand(7, S, B, OUT, dtype=dtype))
+            results.append((scaling, on, y.detach(), x.grad, w.grad, b.grad, st.grad.pending.clone()))
+    for i in (0, 2):
+        off, on = results[i], results[i + 1]
+        assert off[0] == on[0] and not off[1] and on[1]
+        for k in (2, 3, 5, 6):  # y, dx, db, the recorded amax of dy
+            assert torch.equal(off[k], on[k]), (off[0], k)
+        K = S * B
+        atol = (K + 9) * 2.0 ** -23 * float(off[4].abs().max()) * 4 + (2.0 ** -8 * float(off[4].abs().max())
+                                                                      if dtype == torch.bfloat16 else 0.0)
+        torch.testing.assert_close(on[4], off[4], rtol=2.0 ** -7 if dtype == torch.bfloat16 else 2.0 ** -20,
+                                   atol=atol)
+
+
 def test_te_backend_is_refused_by_the_layers() -> None:
     from parallel.tensor_parallel import ColumnParallelLinear, RowParallelLinear
 

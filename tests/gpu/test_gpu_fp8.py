@@ -87,3 +87,45 @@ def test_fp8_device_check_accepts_this_gpu():
     if cap < (8, 9):
         pytest.skip(f"compute capability {cap} has no FP8 tensor cores")
     check_fp8_device(torch.device("cuda"), Fp8Config())
+
+
+@pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("shape", [(8192, 8192), (8192, 2048), (2048, 6144), (100, 3000), (3, 5)])
+def test_cast_transpose_kernels_on_cuda_are_the_reference(shape, dtype, fmt):
+    """kernels/fp8_transpose.py's Triton kernels on CUDA (the GPU's own fp32 -> FP8 conversion) against the
+    plain-torch reference on CPU, byte for byte (a NaN only has to be a NaN), at gpt_1.3b's operand shapes and
+    ragged ones, with the special values of tests/test_fp8_transpose.py."""
+    from kernels.fp8_transpose import cast_transpose, reference_cast_transpose, transpose
+    from tests.test_fp8_transpose import _bytes_equal, _special
+
+    x = _special(fmt, dtype, *shape, seed=shape[0] + shape[1])
+    for scale in (0.75, 2.0 ** 10):  # 0.75: the product rounds in fp32
+        s = torch.tensor(scale)
+        q, qt = cast_transpose(x.cuda(), s.cuda(), fmt)
+        want_q, want_qt = reference_cast_transpose(x, s, fmt)
+        _bytes_equal(q.cpu(), want_q)
+        _bytes_equal(qt.cpu(), want_qt)
+        assert torch.equal(transpose(q).cpu().view(torch.uint8), want_qt.view(torch.uint8))
+
+
+def test_fp8_linear_with_cast_transpose_kernels_on_cuda():
+    """fp8.cast_transpose=true on CUDA against the default: output and input/bias gradients bit for bit, the weight
+    gradient within the FP8 GEMM's accumulation (its operands come from other layouts)."""
+    from fp8.linear import fp8_linear
+    from fp8.scaling import Fp8States
+
+    g = torch.Generator().manual_seed(3)
+    x0, w0, b0 = (torch.randn(*s, generator=g) for s in ((512, 4, 1024), (3072, 1024), (3072,)))
+    dy = torch.randn(512, 4, 3072, generator=g).cuda().bfloat16()
+    out = []
+    for on in (False, True):
+        x, w, b = (t.cuda().bfloat16().requires_grad_() for t in (x0, w0, b0))
+        y = fp8_linear(x, w, b, Fp8States(_cfg(scaling="delayed", cast_transpose=on)), _group(), sp_gather=False,
+                       emulate=False)
+        y.backward(dy)
+        out.append((y.detach(), x.grad, w.grad, b.grad))
+    for k in (0, 1, 3):
+        assert torch.equal(out[0][k], out[1][k]), k
+    torch.testing.assert_close(out[1][2].float(), out[0][2].float(), rtol=2.0 ** -7,
+                               atol=2.0 ** -7 * float(out[0][2].float().abs().max()))
