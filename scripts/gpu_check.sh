@@ -18,6 +18,7 @@
 #   4b. the fp8 row again with fp8.cast_transpose=true (kernels/fp8_transpose.py instead of inductor's casts).
 #   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4), with the
 #      40 kernels that take the most device time by full name.
+#   6. the fp8 step's memory peak by allocation site (profile_step.py --memory-peak: the allocator's history).
 # Environment knobs: GPU_CHECK_STEPS (bench steps, default 12), GPU_CHECK_SKIP (space-separated step
 # numbers to skip, e.g. "4 5"), GPU_CHECK_PRESETS (default "gpt_1.3b"), GPU_CHECK_RECOMPUTE (default "off"),
 # GPU_CHECK_PROFILE (precisions profiled, default "bf16 fp8"), GPU_CHECK_TESTS (pytest -k expression for step 2),
@@ -127,6 +128,10 @@ for prec in $PROFILE; do
         model.activation_checkpointing=off
     [[ -n "$TRACE" && -f "$OUT/trace_${prec}.json" ]] && gzip -f "$OUT/trace_${prec}.json"
 done
+
+section "6. what the fp8 step's memory peak holds"
+run 6 240 memory_fp8.log "$PY" scripts/profile_step.py --preset gpt_1.3b --precision fp8 --micro-batch 4 --accum 4 \
+    --warmup 2 --memory-peak 25 model.activation_checkpointing=off
 
 echo | tee -a "$REPORT"
 echo "overall: $([[ $status -eq 0 ]] && echo 'every step passed' || echo 'SOME STEPS FAILED (above)')" | tee -a "$REPORT"

@@ -2,6 +2,7 @@
 
     python scripts/profile_step.py --preset gpt_1.3b --precision bf16          # on a GPU
     python scripts/profile_step.py --preset tiny --precision fp32 --device cpu # the same on CPU
+    python scripts/profile_step.py --preset gpt_1.3b --precision fp8 --memory-peak 20   # what the peak holds
 
 Builds the trainer's engine (``training/engine.py``) for ``configs/<preset>.yaml`` at world size 1, runs
 ``--warmup`` steps on the bundled sample corpus, profiles the next one and prints: the step's wall time,
@@ -47,6 +48,42 @@ def kind_of(name: str) -> str:
     return "other"
 
 
+def peak_sites(snapshot: dict, root: Path, top: int):
+    """``(peak_bytes, [(where, bytes, tensors), ...])``: replay the allocator's history (``torch.cuda.memory.
+    _snapshot()['device_traces']``: alloc / free_completed events in order) to its largest allocated total, and group
+    the blocks live at that moment by the innermost stack frame inside ``root`` (``path:line (function)``; blocks
+    with no such frame under ``(elsewhere)``), the ``top`` largest groups first."""
+    events = [e for trace in snapshot.get("device_traces", []) for e in trace]
+    live, total, peak, at = {}, 0, 0, -1
+    for i, e in enumerate(events):
+        if e["action"] == "alloc":
+            live[e["addr"]] = e["size"]
+            total += e["size"]
+            if total > peak:
+                peak, at = total, i
+        elif e["action"] == "free_completed" and e["addr"] in live:
+            total -= live.pop(e["addr"])
+    live_at_peak = {}
+    for e in events[:at + 1]:
+        if e["action"] == "alloc":
+            live_at_peak[e["addr"]] = e
+        elif e["action"] == "free_completed":
+            live_at_peak.pop(e["addr"], None)
+    groups = defaultdict(lambda: [0, 0])
+    root = str(Path(root).resolve())
+    for e in live_at_peak.values():
+        where = "(elsewhere)"
+        for f in e.get("frames", []):
+            name = str(f.get("filename", ""))
+            if name.startswith(root) and not name.endswith("profile_step.py"):
+                where = f"{Path(name).relative_to(root)}:{f.get('line')} ({f.get('name')})"
+                break
+        groups[where][0] += e["size"]
+        groups[where][1] += 1
+    ranked = sorted(((w, b, n) for w, (b, n) in groups.items()), key=lambda g: -g[1])
+    return peak, ranked[:top]
+
+
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--preset", default="gpt_350m", help="configs/<preset>.yaml, or a YAML file's path")
@@ -59,10 +96,15 @@ def main(argv=None) -> int:
     ap.add_argument("--kernels", type=int, default=0,
                     help="also list the N kernels with the most device time, full names (0: none)")
     ap.add_argument("--trace", default=None, help="also write a Chrome trace here")
+    ap.add_argument("--memory-peak", type=int, default=0, metavar="N",
+                    help="CUDA: record every allocation from the engine's construction on and list the N places "
+                         "(first frame in this project) holding the most memory at the step's peak (0: off; the "
+                         "recording slows the steps, so time a step without it)")
     ap.add_argument("overrides", nargs="*")
     args = ap.parse_args(argv)
     # bad input before anything is built: one line, exit code 2 (scripts/_cli.py)
     at_least(args.kernels, 0, "--kernels")
+    at_least(args.memory_peak, 0, "--memory-peak")
     for option in ("micro_batch", "accum", "top"):
         at_least(getattr(args, option), 1, "--" + option.replace("_", "-"))
     at_least(args.warmup, 0, "--warmup")
@@ -75,6 +117,8 @@ def main(argv=None) -> int:
         raise InputError(f"--device {args.device}: {str(e).splitlines()[0]}") from None
     if device.type == "cuda" and not torch.cuda.is_available():
         raise InputError(f"--device {args.device}: CUDA is not available here (use --device cpu)")
+    if args.memory_peak and device.type != "cuda":
+        raise InputError("--memory-peak reads the CUDA allocator's history: it needs --device cuda")
 
     from model.flops import flops_per_token
     from parallel.launch import init_distributed, read_launch_env
@@ -94,6 +138,8 @@ def main(argv=None) -> int:
     train_ds, _ = check_data(cfg)  # the data and tokenizer (overrides may name others) before the process group
     env = read_launch_env()
     init_distributed(env, device, 600.0)
+    if args.memory_peak:
+        torch.cuda.memory._record_memory_history(max_entries=4_000_000, stacks="python")
     engine = Engine(cfg, Mesh(make_layout(cfg, 1, 1), device))
     g = cfg.train.global_batch_size
     sync = torch.cuda.synchronize if device.type == "cuda" else (lambda: None)
@@ -164,6 +210,17 @@ def main(argv=None) -> int:
     except (AttributeError, KeyError):  # older torch names the column after CUDA
         print(events.table(sort_by="self_cuda_time_total" if on_device else sort, row_limit=args.top,
                            max_name_column_width=60))
+    if args.memory_peak:
+        snapshot = torch.cuda.memory._snapshot()
+        torch.cuda.memory._record_memory_history(enabled=None)
+        peak, sites = peak_sites(snapshot, ROOT, args.memory_peak)
+        print(f"\nmemory at the peak of the run so far: {peak / 2**30:.2f} GiB allocated (torch.cuda."
+              f"max_memory_allocated: {torch.cuda.max_memory_allocated(device) / 2**30:.2f} GiB); by where it was "
+              f"allocated (the innermost frame in this project):\n")
+        print("| allocated at | GiB | tensors |")
+        print("|---|---:|---:|")
+        for where, nbytes, count in sites:
+            print(f"| {where} | {nbytes / 2**30:.3f} | {count} |")
     import torch.distributed as dist
 
     dist.destroy_process_group()
