@@ -90,7 +90,6 @@ if triton is not None:
     @triton.jit
     def _cast_transpose_kernel(x_ptr, scale_ptr, q_ptr, qt_ptr, M, N, fmax, CAST: tl.constexpr,
                                E5M2: tl.constexpr, SOFT: tl.constexpr, BM: tl.constexpr, BN: tl.constexpr):
-        # q_ptr, qt_ptr: the FP8 outputs as bytes (uint8)
         rm = (tl.program_id(0) * BM + tl.arange(0, BM)).to(tl.int64)
         rn = (tl.program_id(1) * BN + tl.arange(0, BN)).to(tl.int64)
         inside = (rm[:, None] < M) & (rn[None, :] < N)
@@ -109,7 +108,7 @@ if triton is not None:
                 q = v.to(tl.float8e4nv).to(tl.uint8, bitcast=True)
             # a NaN stays a NaN (0x7F in both formats); written out, not left to the conversion (the interpreter's
             # turns it into a number)
-            q = tl.where(nan, 0x7F, q).to(tl.uint8)
+            q = tl.where(nan, 0x7F, q).to(tl.uint8).to(q_ptr.dtype.element_ty, bitcast=True)
             tl.store(q_ptr + rm[:, None] * N + rn[None, :], q, mask=inside)
         else:
             q = x
@@ -120,8 +119,8 @@ if triton is not None:
         M, N = x.shape
         grid = (triton.cdiv(M, BLOCK), triton.cdiv(N, BLOCK))
         fmax = float(torch.finfo(FORMATS[fmt]).max)
-        wrap(_cast_transpose_kernel)[grid](x, scale, q, qt, M, N, fmax, CAST=cast, E5M2=fmt == "e5m2", SOFT=_interpreting(),
-                                          BM=BLOCK, BN=BLOCK, num_warps=4)
+        wrap(_cast_transpose_kernel)[grid](x, scale, q, qt, M, N, fmax, CAST=cast, E5M2=fmt == "e5m2",
+                                          SOFT=_interpreting(), BM=BLOCK, BN=BLOCK, num_warps=4)
 
     def triton_cast_transpose(x: torch.Tensor, scale: torch.Tensor, fmt: str) -> Tuple[torch.Tensor, torch.Tensor]:
         """``cast_transpose`` by the Triton kernel, called directly (CUDA, or CPU tensors under the interpreter)."""
@@ -134,19 +133,18 @@ if triton is not None:
     def _kernel_cast_transpose(x, scale, fmt, wrap):
         _check(x, "fp8 cast_transpose")
         dtype = FORMATS[fmt]
-        q = torch.empty(x.shape, dtype=torch.uint8, device=x.device)
-        qt = torch.empty((x.shape[1], x.shape[0]), dtype=torch.uint8, device=x.device)
+        q = torch.empty(x.shape, dtype=dtype, device=x.device)
+        qt = torch.empty((x.shape[1], x.shape[0]), dtype=dtype, device=x.device)
         if x.numel():
             _launch(x, scale, q, qt, True, fmt, wrap)
-        return q.view(dtype), qt.view(dtype)
+        return q, qt
 
     def _kernel_transpose(q, wrap):
         _check(q, "fp8 transpose")
-        raw = q.view(torch.uint8)  # bytes: nothing is converted
-        qt = torch.empty((q.shape[1], q.shape[0]), dtype=torch.uint8, device=q.device)
-        if q.numel():
-            _launch(raw, raw, raw, qt, False, "e4m3", wrap)
-        return qt.view(q.dtype)
+        qt = torch.empty((q.shape[1], q.shape[0]), dtype=q.dtype, device=q.device)
+        if q.numel():  # loaded and stored as they are: nothing is converted
+            _launch(q, q, q, qt, False, "e4m3", wrap)
+        return qt
 
     from torch.library import triton_op, wrap_triton
 
