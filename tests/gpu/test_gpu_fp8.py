@@ -99,6 +99,8 @@ def test_cast_transpose_kernels_on_cuda_are_the_reference(shape, dtype, fmt):
     from kernels.fp8_transpose import cast_transpose, reference_cast_transpose, transpose
     from tests.test_fp8_transpose import _bytes_equal, _special
 
+    if shape == (8192, 8192) and dtype == torch.float32:
+        pytest.skip("the largest shape in bf16 only (training's dtype; the CPU reference takes a while)")
     x = _special(fmt, dtype, *shape, seed=shape[0] + shape[1])
     for scale in (0.75, 2.0 ** 10):  # 0.75: the product rounds in fp32
         s = torch.tensor(scale)
