@@ -16,6 +16,7 @@
 #      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
 #      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
 #   4b. the fp8 row again with fp8.cast_transpose=true (kernels/fp8_transpose.py instead of inductor's casts).
+#   4c. the fp8 row again with fp8.scaling=current (whether current scaling should be the default).
 #   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4), with the
 #      40 kernels that take the most device time by full name.
 #   6. the fp8 step's memory peak by allocation site (profile_step.py --memory-peak: the allocator's history).
@@ -120,6 +121,11 @@ section "4b. speed: fp8 with the cast-and-transpose kernels (fp8.cast_transpose=
 # shellcheck disable=SC2086
 run 4b 300 bench_fp8_cast_transpose.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
     --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --precisions fp8 --no-peers fp8.cast_transpose=true
+
+section "4c. speed: fp8 with current scaling (fp8.scaling=current; the default is delayed)"
+# shellcheck disable=SC2086
+run 4c 300 bench_fp8_current.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
+    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --precisions fp8 --no-peers fp8.scaling=current
 
 section "5. where one step's time goes"
 for prec in $PROFILE; do
