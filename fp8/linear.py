@@ -185,9 +185,8 @@ class _Fp8Linear(torch.autograd.Function):
                 gx = out
             grad_x = gx.reshape(ctx.x_shape).to(ctx.x_dtype)
         if ctx.needs_input_grad[1]:
-            # out in the weight's dtype, rounded once from the GEMM's fp32 sums (an fp32 out and a cast after
-            # wrote and read a [out, in] fp32 buffer per GEMM; same values on CPU, where _mm casts last anyway)
-            # (emulated: the dequantized operands multiplied in fp32, as before)
+            # the GEMM writes the weight's dtype, rounding its fp32 sums once (an fp32 out cast afterwards cost an
+            # [out, in] fp32 buffer per GEMM); emulated, the dequantized operands are multiplied in fp32
             out = torch.float32 if ctx.emulate else ctx.w_dtype
             if kernel:  # both operands K-major already: _mm's layout calls are no-ops on them
                 grad_w = _mm(qgt, sg, fp8_transpose.transpose(qx2).t(), sx, out, False).to(ctx.w_dtype)
