@@ -12,6 +12,7 @@
 #   1. the machine: GPU, driver, torch / CUDA / Triton versions.
 #   2. the GPU tier: python -m pytest tests/gpu (marker gpu).
 #   3. kernel bandwidth: python scripts/bench_quant.py --device cuda.
+#   3b. the FP8 cast-and-transpose kernels against the same casts compiled by inductor: scripts/bench_fp8_cast.py.
 #   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_1.3b, bf16 and fp8, recompute off,
 #      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
 #      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
@@ -111,6 +112,9 @@ run 2 420 gpu_tier.log "$PY" -m pytest tests/gpu -p no:cacheprovider -rA -q -s -
 
 section "3. quantization kernels on the GPU"
 run 3 120 bench_kernels.log "$PY" scripts/bench_quant.py --device cuda --repeats 10
+
+section "3b. FP8 backward operand casts: the cast-and-transpose kernels against inductor's form"
+run 3b 120 bench_fp8_cast.log "$PY" scripts/bench_fp8_cast.py
 
 section "4. speed: tokens/s, TFLOP/s and MFU on one GPU"
 # shellcheck disable=SC2086

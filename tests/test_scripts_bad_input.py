@@ -6,7 +6,7 @@ the argument it reads a file by (``--config``, ``--preset``, a checkpoint, run o
 model directory, the data and tokenizer its config overrides name; for a script that writes, the place it writes
 to): a path that does not exist, a directory where a file is expected or a file where a directory is expected, a
 file of random bytes, and a malformed YAML/JSON config (or config override). A script that reads no file at all
-(bench_layouts.py, bench_quant.py, and netemu.py, a library that needs root and network namespaces to do anything)
+(bench_layouts.py, bench_quant.py, bench_fp8_cast.py, and netemu.py, a library that needs root and network namespaces to do anything)
 gets the four paths as stray arguments, which it must refuse the same way; scripts that write somewhere get a path
 under a regular file for "missing" (a missing directory is theirs to make). A few cases per script check option
 values too (``--world 0``, ``--steps 1``, ...). Every case must fail before any real work (no namespace, rank,
@@ -82,6 +82,13 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
                       "--mib", "1", "--iters", "2", "--rate", "1gbit"],
         "not_under_torchrun": ["?RANK", "--out", "{tmp}/probe.json", "--kinds", "all_gather", "--groups", "world", "--mib",
                                "1", "--iters", "2", "--rate", "1gbit"],
+    },
+    "bench_fp8_cast.py": {
+        "missing": ["!{absent}"],
+        "wrong_kind": ["!{dir}"],
+        "binary": ["!{binary}"],
+        "malformed": ["--config", "!{yaml}"],
+        "repeats_0": ["!--repeats", "0"],
     },
     "bench_quant.py": {
         "missing": ["!{absent}"],
