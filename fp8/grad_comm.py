@@ -150,10 +150,26 @@ def _shared_scales(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds, gro
     segments, _, position = _segments(_key(bounds), 0, data.numel(), data.device)
     # a tensor is all zero when no element has magnitude bits (FP8 +-0 are 0x00 / 0x80; a NaN is not zero)
     nonzero = ((data.view(torch.uint8) & 0x7F) != 0).to(torch.float32)
-    any_nonzero = segments.max(nonzero)[1::2][position] > 0
-    offer = torch.where(any_nonzero, scales.float(), torch.full_like(scales, float("inf"), dtype=torch.float32))
+    offer = _offer(segments.max(nonzero)[1::2][position] > 0, scales)
     comm.all_reduce(offer, group, op="min")
+    return _shared(offer)
+
+
+def _offer(any_nonzero: torch.Tensor, scales: torch.Tensor) -> torch.Tensor:
+    """What a rank offers to the MIN over ranks: each tensor's scale, +inf for a tensor that is all zero here."""
+    return torch.where(any_nonzero, scales.float(), torch.full_like(scales, float("inf"), dtype=torch.float32))
+
+
+def _shared(offer: torch.Tensor) -> torch.Tensor:
+    """The shared scales from the MIN of the offers: 1 where every rank offered +inf (all zero everywhere)."""
     return torch.where(torch.isfinite(offer), offer, torch.ones_like(offer))
+
+
+def _overflowing(total: torch.Tensor, segments: Segments, dtype: torch.dtype) -> torch.Tensor:
+    """Elements of ``total`` inside tensors (the odd segments) beyond ``dtype``'s maximum or not finite, as a 0-dim
+    int64 device tensor (float64 sums of 0/1 are exact counts)."""
+    bad = (~(total.abs() <= format_max(dtype))).to(torch.float64)
+    return segments.sum(bad)[1::2].sum().to(torch.int64)
 
 
 def _recast(data: torch.Tensor, scales: torch.Tensor, shared: torch.Tensor, bounds: Bounds) -> None:
@@ -170,8 +186,7 @@ def _counts(total: torch.Tensor, offset: int, bounds: Bounds, dtype: torch.dtype
     first a 0-dim device tensor."""
     end = offset + total.numel()
     segments, _, _ = _segments(_key(bounds), offset, end, total.device)
-    bad = (~(total.abs() <= format_max(dtype))).to(torch.float64)  # float64 sums of 0/1 are exact counts
-    over = segments.sum(bad)[1::2].sum().to(torch.int64)
+    over = _overflowing(total, segments, dtype)
     numel = sum(max(0, min(hi, end) - max(lo, offset)) for lo, hi in bounds)
     return over, numel
 
@@ -186,13 +201,9 @@ def reduce_one_rank(data: torch.Tensor, scales: torch.Tensor, segments: Segments
     where the general path's copies, float64 mask and per-tensor norms took ~40 eager kernels a unit."""
     total = data.float()
     total = torch.where(total == 0, 0.0, total)  # not `+ 0.0`: inductor drops an added zero
-    magnitude = total.abs()
-    peak = segments.max(magnitude)[1::2][position]  # NaN propagates: a NaN is not zero (its magnitude bits)
-    offer = torch.where(peak != 0, scales.float(), torch.full_like(scales, float("inf"), dtype=torch.float32))
-    shared = torch.where(torch.isfinite(offer), offer, torch.ones_like(offer))
-    bad = (~(magnitude <= format_max(data.dtype))).to(torch.float64)
-    over = segments.sum(bad)[1::2].sum().to(torch.int64)
-    return quantize(total, 1.0, data.dtype), shared, over
+    peak = segments.max(total.abs())[1::2][position]  # NaN propagates: a NaN is not zero (its magnitude bits)
+    shared = _shared(_offer(peak != 0, scales))
+    return quantize(total, 1.0, data.dtype), shared, _overflowing(total, segments, data.dtype)
 
 
 def reduce_scatter_fp8(data: torch.Tensor, scales: torch.Tensor, bounds: Bounds, group: Group) -> ReduceResult:

@@ -6,14 +6,14 @@ FP8 linear runs by default), at gpt_1.3b's backward operand shapes.
 
 Each row: a [tokens, features] bf16 operand cast to FP8 with a scale into both layouts (``q`` and ``qT``), and
 the transpose of an FP8 matrix; median of CUDA-event timings after a warm-up, and the bandwidth (bytes read +
-written per second) beside the device's copy bandwidth (a 2 GiB ``copy_``): a memory-bound kernel is as good as it
-gets near that figure. In the trainer the inductor form also fuses the operand's producer (the GELU backward,
-say), which this isolated comparison leaves out: the step's own figure is ``gpu_check.sh`` step 4b.
+written per second) beside the device's copy bandwidth (``bench_quant.copy_bandwidth_gbs``): a memory-bound
+kernel is as good as it gets near that figure. In the trainer the inductor form also fuses the operand's
+producer (the GELU backward, say), which this isolated comparison leaves out: the step's own figure is
+``gpu_check.sh`` step 4b.
 """
 from __future__ import annotations
 
 import argparse
-import statistics
 import sys
 from pathlib import Path
 
@@ -22,23 +22,10 @@ import torch
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from scripts._cli import InputError, at_least  # noqa: E402
+from scripts.bench_quant import copy_bandwidth_gbs, cuda_ms  # noqa: E402
 
 SHAPES = [(8192, 8192, "fc2 dy / fc1 out (4 x 2048 tokens, ffn 8192)"), (8192, 6144, "qkv dy"),
           (8192, 2048, "proj / fc2 dy"), (2048, 8192, "fc1 input, transposed")]
-
-
-def cuda_ms(fn, repeats: int) -> float:
-    fn()
-    torch.cuda.synchronize()
-    times = []
-    for _ in range(repeats):
-        start, end = torch.cuda.Event(enable_timing=True), torch.cuda.Event(enable_timing=True)
-        start.record()
-        fn()
-        end.record()
-        torch.cuda.synchronize()
-        times.append(start.elapsed_time(end))
-    return statistics.median(times)
 
 
 def main(argv=None) -> int:
@@ -52,12 +39,9 @@ def main(argv=None) -> int:
 
     inductor_cast = torch.compile(reference_cast_transpose)
     inductor_transpose = torch.compile(reference_transpose)
-    big = torch.empty(2**30, dtype=torch.bfloat16, device="cuda")
-    copy_ms = cuda_ms(lambda: big.clone(), args.repeats)
-    copy_gbs = 2 * big.numel() * 2 / copy_ms / 1e6
-    del big
+    copy_gbs = copy_bandwidth_gbs(args.repeats)
     print(f"device: {torch.cuda.get_device_name()}; torch {torch.__version__}; copy bandwidth {copy_gbs:,.0f} GB/s "
-          f"(2 GiB clone, read + written)\n")
+          f"(2 GiB copy, read + written)\n")
     print("| operation | shape | what | inductor us | kernel us | kernel GB/s | kernel / copy bandwidth | speed-up |")
     print("|---|---|---|---:|---:|---:|---:|---:|")
     scale = torch.tensor(0.75, device="cuda")

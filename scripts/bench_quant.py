@@ -80,14 +80,18 @@ def cuda_ms(fn: Callable[[], object], repeats: int) -> float:
     return statistics.median(times)
 
 
+def copy_bandwidth_gbs(repeats: int) -> float:
+    """The device's copy bandwidth, GB/s read + written: a 2 GiB ``copy_`` (what a memory-bound kernel can reach)."""
+    big = torch.empty(1 << 30, dtype=torch.bfloat16, device="cuda")
+    dst = torch.empty_like(big)
+    return 2 * big.numel() * 2 / cuda_ms(lambda: dst.copy_(big), repeats) / 1e6
+
+
 def cuda_main(repeats: int) -> None:
     from kernels import quant_triton as qt
 
     dev = torch.device("cuda")
-    big = torch.empty(1 << 30, dtype=torch.bfloat16, device=dev)   # 2 GiB
-    dst = torch.empty_like(big)
-    copy_gbs = 2 * big.numel() * 2 / cuda_ms(lambda: dst.copy_(big), repeats) / 1e6
-    del big, dst
+    copy_gbs = copy_bandwidth_gbs(repeats)
     print(f"{torch.cuda.get_device_name(dev)}, torch {torch.__version__}, median of {repeats}; device copy "
           f"{copy_gbs:,.0f} GB/s (read + written)\n")
     print("| kernel | size | ms | GB/s | of copy bandwidth |")
