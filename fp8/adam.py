@@ -42,7 +42,7 @@ amax relative to sqrt(v).
 from __future__ import annotations
 
 import math
-from typing import Any, Dict, Iterable, Optional, Union
+from typing import Any, Dict, Iterable, Optional, Tuple, Union
 
 import torch
 
@@ -85,19 +85,27 @@ def _check(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: torch.
         raise TypeError(f"fp8 adam: grad must be float32 (unscaled and clipped by the caller), got {grad.dtype}")
 
 
+def bias_corrections(step: int, lr: Union[float, torch.Tensor], beta1: float,
+                     beta2: float) -> Tuple[Union[float, torch.Tensor], float]:
+    """``(step_size, sqrt(bc2))`` of step ``step``: ``lr / (1 - beta1**step)`` and ``sqrt(1 - beta2**step)``, in
+    float64 as parallel/zero/adamw.py computes them (a 0-dim tensor step size for a tensor ``lr``)."""
+    return lr / (1.0 - beta1 ** step), math.sqrt(1.0 - beta2 ** step)
+
+
 def _moments_and_step(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.Tensor, grad: torch.Tensor,
-                      step: int, lr: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float) -> None:
+                      step_size: Union[float, torch.Tensor], bc2_sqrt: Union[float, torch.Tensor], beta1: float,
+                      beta2: float, eps: float) -> None:
     """AdamW after the decay, in fp32 and in place: m, v, bias corrections and the parameter step, operation for
     operation parallel/zero/adamw.py's (shared by the per-tensor and the packed update).
 
-    ``lr`` a 0-dim float64 tensor: the compiled packed update (``fp8/zero.py`` under ``train.compile``), where a
-    Python float learning rate that changes every step was seen held at its first value by the compiled graph
-    (torch 2.13); the parameter step is then ``p - (m / denom) * step_size`` (addcdiv takes no tensor factor), the
-    same operations up to their order, so not the same bits as the eager update."""
+    ``step_size`` and ``bc2_sqrt`` (``bias_corrections``): Python floats, or 0-dim device tensors holding them
+    (the compiled packed update, ``fp8/zero.py`` under ``train.compile``, where a Python float that changes every
+    step would be a constant of the graph); fp32 tensors are the very values an fp32 kernel rounds the floats to,
+    so the quotient is the same and the step ``p - (m / denom) * step_size`` is ``addcdiv``'s
+    ``p + (-step_size) * (m / denom)`` (addcdiv takes no tensor factor)."""
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
-    step_size = lr / (1.0 - beta1 ** step)
-    denom = (exp_avg_sq.sqrt() / math.sqrt(1.0 - beta2 ** step)).add_(eps)
+    denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     if isinstance(step_size, torch.Tensor):
         p.sub_(exp_avg / denom * step_size.float())
     else:
@@ -124,7 +132,7 @@ def adamw_update(master: torch.Tensor, master_scale: Optional[torch.Tensor], m: 
     # 2. the step in fp32: parallel/zero/adamw.py's operations in its order
     if weight_decay:
         p.mul_(1.0 - lr * weight_decay)
-    _moments_and_step(p, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, eps)
+    _moments_and_step(p, exp_avg, exp_avg_sq, grad, *bias_corrections(step, lr, beta1, beta2), beta1, beta2, eps)
     # 3. requantize with fresh scales
     if not fp32_master:
         _requantize(p, master, master_scale)
@@ -153,6 +161,29 @@ def adamw_update_packed(master: torch.Tensor, master_scales: Optional[torch.Tens
     call, and rounded once to fp32; exempt tensors have 0 and are multiplied by exactly 1). Every element
     goes through the per-tensor function's operations with its tensor's scalars, so the results are those of
     ``adamw_update`` tensor by tensor (tested bit for bit)."""
+    if step < 1:
+        raise ValueError(f"fp8 adam: step counts from 1, got {step}")
+    step_size, bc2_sqrt = bias_corrections(step, lr, beta1, beta2)
+    adamw_update_segments(master, master_scales, m, m_scales, v, v_scales, grad, segments,
+                          (1.0 - lr * weight_decays).to(torch.float32), step_size=step_size, bc2_sqrt=bc2_sqrt,
+                          beta1=beta1, beta2=beta2, eps=eps)
+
+
+@torch.no_grad()
+def adamw_update_segments(master: torch.Tensor, master_scales: Optional[torch.Tensor], m: torch.Tensor,
+                          m_scales: torch.Tensor, v: torch.Tensor, v_scales: torch.Tensor, grad: torch.Tensor,
+                          segments: Segments, keep: torch.Tensor, *, step_size: Union[float, torch.Tensor],
+                          bc2_sqrt: Union[float, torch.Tensor], beta1: float, beta2: float, eps: float) -> None:
+    """``adamw_update_packed`` with the step's scalars made by the caller: ``keep`` fp32 [T], each tensor's
+    decoupled decay factor ``1 - lr * wd``; ``step_size``, ``bc2_sqrt``: ``bias_corrections`` (floats, or 0-dim
+    fp32 device tensors).
+
+    Why the split: compiled, every scalar computed inside the update is recomputed per element by the fused
+    kernel (inductor inlines 0-dim producers into their consumers). From the step number and a learning rate
+    that was two float64 ``pow``, a float64 ``sqrt`` and float64 divisions an element, which made the AdamW kernel
+    of a 50M-element unit compute-bound (read in the generated code: ``libdevice.pow(0.95, ks0)`` per element).
+    The caller (``fp8/zero.py``) forms them once a step on the host, in float64 as Python does, and passes them
+    as fp32 device scalars: the same values, so the same bits."""
     n = master.numel()
     if not (m.numel() == v.numel() == grad.numel() == n == segments.numel):
         raise ValueError(f"fp8 adam: packed buffers differ in length: master {n}, m {m.numel()}, v {v.numel()}, "
@@ -160,16 +191,14 @@ def adamw_update_packed(master: torch.Tensor, master_scales: Optional[torch.Tens
     if master.dtype not in MASTER_DTYPES.values() or m.dtype != M_DTYPE or v.dtype != V_DTYPE:
         raise TypeError(f"fp8 adam: master, m, v must be float16/float32, {M_DTYPE}, {V_DTYPE}; got {master.dtype}, "
                         f"{m.dtype}, {v.dtype}")
-    if grad.dtype != torch.float32:
-        raise TypeError(f"fp8 adam: grad must be float32, got {grad.dtype}")
-    if step < 1:
-        raise ValueError(f"fp8 adam: step counts from 1, got {step}")
+    if grad.dtype != torch.float32 or keep.dtype != torch.float32:
+        raise TypeError(f"fp8 adam: grad and keep must be float32, got {grad.dtype} and {keep.dtype}")
     fp32_master = master.dtype == torch.float32
     p = master if fp32_master else dequantize(master, segments.spread(master_scales))
     exp_avg = dequantize(m, segments.spread(m_scales))
     exp_avg_sq = dequantize(v, segments.spread(v_scales))
-    p.mul_(segments.spread((1.0 - lr * weight_decays).to(torch.float32)))
-    _moments_and_step(p, exp_avg, exp_avg_sq, grad, step, lr, beta1, beta2, eps)
+    p.mul_(segments.spread(keep))
+    _moments_and_step(p, exp_avg, exp_avg_sq, grad, step_size, bc2_sqrt, beta1, beta2, eps)
     if not fp32_master:
         _requantize_packed(p, master, master_scales, segments)
     _requantize_packed(exp_avg, m, m_scales, segments)

@@ -222,16 +222,22 @@ def dequantize_segments(q: torch.Tensor, scales: torch.Tensor, segments: Segment
     return dequantize(q, segments.spread(scales))
 
 
-def unit_update(grad8: torch.Tensor, grad_scales: torch.Tensor, factor: Union[float, torch.Tensor],
-                master: torch.Tensor, master_scales: Optional[torch.Tensor], m: torch.Tensor, m_scales: torch.Tensor,
-                v: torch.Tensor, v_scales: torch.Tensor, segments: Segments, weight_decays: torch.Tensor,
+def unit_update(grad8: torch.Tensor, grad_scales: torch.Tensor, factor: torch.Tensor, master: torch.Tensor,
+                master_scales: Optional[torch.Tensor], m: torch.Tensor, m_scales: torch.Tensor, v: torch.Tensor,
+                v_scales: torch.Tensor, segments: Segments, decays: torch.Tensor, scalars: torch.Tensor,
                 **hyper) -> None:
     """One unit's AdamW step from its reduced FP8 gradients: ``grad = dequantize(grad8) * factor`` (the clipping
-    and mu factor), then ``adam.adamw_update_packed``. One function, so that compiled (``train.compile``) the
-    gradient is read as FP8 inside the update's kernel instead of written in fp32 and read back; ``factor`` a
-    0-dim fp32 tensor there (a Python float would be a constant of the graph), the same product."""
+    and mu factor), then ``adam.adamw_update_segments``. One function, so that compiled (``train.compile``) the
+    gradient is read as FP8 inside the update's kernel instead of written in fp32 and read back.
+
+    The step's scalars come made (``Fp8DataParallel.step``), as fp32 device tensors (a Python float would be a
+    constant of a compiled graph): ``factor`` 0-dim; ``scalars`` [3]: the step size, ``sqrt(bc2)`` and the
+    decoupled decay factor ``1 - lr * wd`` of the tensors that take decay (``decays`` bool [T]; the others keep
+    exactly 1)."""
     grad = dequantize_segments(grad8, grad_scales, segments) * factor
-    adam.adamw_update_packed(master, master_scales, m, m_scales, v, v_scales, grad, segments, weight_decays, **hyper)
+    keep = torch.where(decays, scalars[2], torch.ones_like(scalars[2]))
+    adam.adamw_update_segments(master, master_scales, m, m_scales, v, v_scales, grad, segments, keep,
+                               step_size=scalars[0], bc2_sqrt=scalars[1], **hyper)
 
 
 def unit_square_sum(grad8: torch.Tensor, grad_scales: torch.Tensor, segments: Segments,
@@ -301,9 +307,9 @@ class Fp8DataParallel(ZeroDataParallel):
         self._cast, self._reduce_one = jit(cast_gradients), jit(reduce_one_rank)
         self._unit_update, self._square_sum, self._materialize_packed = (jit(unit_update), jit(unit_square_sum),
                                                                           jit(materialize_packed))
-        # compiled: the per-step scalars as device tensors (a Python float is a constant of a compiled graph)
-        self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device) if compiled else None
-        self._lr = torch.zeros((), dtype=torch.float64, device=mesh.device) if compiled else None
+        # packed: the step's scalars as fp32 device tensors, filled once a step (unit_update)
+        self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device)
+        self._scalars = torch.zeros(3, dtype=torch.float32, device=mesh.device)
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed))
         self._factor = 1.0
@@ -434,7 +440,12 @@ class Fp8DataParallel(ZeroDataParallel):
     def step(self, lr: float) -> None:
         t = self.cfg.train
         self.optimizer_steps += 1
-        for u in self.units:  # packed: every owned tensor of a unit in one update (fp8/adam.adamw_update_packed)
+        if self.packed:  # the step's scalars, formed once in float64 (as the per-tensor update does), kept in fp32
+            step_size, bc2_sqrt = adam.bias_corrections(self.optimizer_steps, lr, t.beta1, t.beta2)
+            for i, x in enumerate((step_size, bc2_sqrt, 1.0 - lr * t.weight_decay)):
+                self._scalars[i].fill_(x)  # fills, not a host-to-device copy (which may wait for the device)
+            self._factor_t.fill_(self._factor)
+        for u in self.units:  # packed: every owned tensor of a unit in one update (fp8/adam.adamw_update_segments)
             if not u.packed:
                 for i in u.owned:
                     a, b = u.where[i]
@@ -446,14 +457,10 @@ class Fp8DataParallel(ZeroDataParallel):
             if not u.owned:
                 continue
             pk = u.packing()
-            if "weight_decays" not in pk:  # exactly wd or 0, in float64 (made once: the config's wd is fixed)
-                pk["weight_decays"] = pk["decay"].to(torch.float64) * t.weight_decay
             scales = [self._owned_scales(u, x) for x in (u.master_scale, u.m_scale, u.v_scale)]
-            factor = self._factor if self._factor_t is None else self._factor_t.fill_(self._factor)
-            self._unit_update(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale), factor,
-                              u.master, scales[0], u.m, scales[1], u.v, scales[2], pk["owned"], pk["weight_decays"],
-                              step=self.optimizer_steps, lr=lr if self._lr is None else self._lr.fill_(lr),
-                              beta1=t.beta1, beta2=t.beta2, eps=t.eps)
+            self._unit_update(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale),
+                              self._factor_t, u.master, scales[0], u.m, scales[1], u.v, scales[2], pk["owned"],
+                              pk["decay"], self._scalars, beta1=t.beta1, beta2=t.beta2, eps=t.eps)
             if not pk["all_owned"]:  # updated copies of the owned entries: back into the unit's scales
                 for dst, src in zip((u.master_scale, u.m_scale, u.v_scale), scales):
                     dst.index_copy_(0, pk["index"], src)
