@@ -100,9 +100,9 @@ def _moments_and_step(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
 
     ``step_size`` and ``bc2_sqrt`` (``bias_corrections``): Python floats, or 0-dim device tensors holding them
     (the compiled packed update, ``fp8/zero.py`` under ``train.compile``, where a Python float that changes every
-    step would be a constant of the graph); fp32 tensors are the very values an fp32 kernel rounds the floats to,
-    so the quotient is the same and the step ``p - (m / denom) * step_size`` is ``addcdiv``'s
-    ``p + (-step_size) * (m / denom)`` (addcdiv takes no tensor factor)."""
+    step would be a constant of the graph). With a tensor step size the parameter step is ``p - (m / denom) *
+    step_size`` (addcdiv takes no tensor factor): the same operations up to their order, so not the same bits as
+    the float form (addcdiv rounds ``(m * step_size) / denom``)."""
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)

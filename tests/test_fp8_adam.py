@@ -409,6 +409,116 @@ def test_compiled_packed_update_tracks_the_eager_one(master_dtype):
     assert torch.isnan(flat["m"].float()).any() and torch.isnan(twin[0]["m"].float()).any()
 
 
+def _unit_state(sizes, master_dtype, seed):
+    """A unit's packed FP8 state (flat master / m / v, [T] scales) from random initial values."""
+    g = torch.Generator().manual_seed(seed)
+    values = [torch.randn(n, generator=g) * 10.0 ** (i % 4 - 2) for i, n in enumerate(sizes)]
+    states = [init_state(x, master_dtype) for x in values]
+    flat = {k: torch.cat([st[k].reshape(-1) for st in states]) for k in ("master", "m", "v")}
+    scales = {k: torch.stack([st[k] if st[k] is not None else torch.ones(()) for st in states])
+              for k in ("master_scale", "m_scale", "v_scale")}
+    return flat, scales
+
+
+def _unit_args(state, master_dtype, grad8, grad_scales, factor, seg, decays, scalars):
+    f, s = state
+    return (grad8, grad_scales, factor, f["master"], s["master_scale"] if master_dtype == "fp16" else None, f["m"],
+            s["m_scale"], f["v"], s["v_scale"], seg, decays, scalars)
+
+
+@pytest.mark.parametrize("master_dtype", ["fp16", "fp32"])
+def test_unit_update_with_its_scalars_made_is_the_packed_update_bit_for_bit(master_dtype):
+    """fp8/zero.py's unit update (the step's scalars made by the caller once a step, fp32 device scalars) gives
+    adamw_update_packed's bits with a tensor learning rate (the form whose parameter step is the same product; with
+    a float it is addcdiv, whose rounding order differs) and so the per-tensor update's (tested above): master, m,
+    v and every scale, over steps with a NaN gradient, an empty and an all-zero tensor, decayed and exempt ones."""
+    from fp8.adam import adamw_update_packed, bias_corrections
+    from fp8.format import E5M2
+    from fp8.segments import Segments
+    from fp8.zero import dequantize_segments, unit_update
+
+    sizes = [1, 9, 0, 8, 33, 100, 4099]
+    seg = Segments(sizes, "cpu", fused=False)
+    decays = torch.tensor([i % 2 == 0 for i in range(len(sizes))])
+    one, ref = (_unit_state(sizes, master_dtype, 3) for _ in range(2))
+    for st in (one, ref):  # the all-zero tensor (the 8 elements after the empty one)
+        st[0]["master"][10:18] = 0
+    g = torch.Generator().manual_seed(5)
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8)
+    factor = torch.tensor(0.5)
+    for step in range(1, 5):
+        lr = LR * step / 4
+        grad = torch.randn(sum(sizes), generator=g) * 10.0 ** (step - 3)
+        if step == 3:
+            grad[40] = float("nan")
+        grad_scales = torch.full((len(sizes),), 2.0 ** (3 - step))
+        grad8 = quantize(grad, grad_scales[0], E5M2)
+        step_size, bc2_sqrt = bias_corrections(step, lr, 0.9, 0.95)
+        scalars = torch.tensor([step_size, bc2_sqrt, 1.0 - lr * WD], dtype=torch.float32)
+        unit_update(*_unit_args(one, master_dtype, grad8, grad_scales, factor, seg, decays, scalars), **hyper)
+        f, s = ref
+        adamw_update_packed(f["master"], s["master_scale"] if master_dtype == "fp16" else None, f["m"], s["m_scale"],
+                            f["v"], s["v_scale"], dequantize_segments(grad8, grad_scales, seg) * factor, seg,
+                            decays.to(torch.float64) * WD, step=step, lr=torch.tensor(lr, dtype=torch.float64),
+                            **hyper)
+        for k in ("master", "m", "v"):
+            assert torch.equal(_bits(one[0][k]), _bits(ref[0][k])), (step, k)
+        for k in ("master_scale", "m_scale", "v_scale"):
+            assert torch.equal(one[1][k], ref[1][k]), (step, k)
+    assert torch.isnan(one[0]["m"].float()).any()
+
+
+def test_compiled_unit_update_takes_its_scalars_made():
+    """Compiled, the update's graph holds no float64 value and is not recompiled as the step advances: the step's
+    scalars (step size, sqrt(bc2), decay) enter as fp32 device scalars made once a step. (Formed inside the graph
+    from the step number and the learning rate, inductor recomputed them per element: two float64 pow, a sqrt and
+    divisions an element, which made the 50M-element update kernel compute-bound on a GPU.) Inductor's code, on
+    this CPU, also tracks the eager update."""
+    from fp8.adam import bias_corrections
+    from fp8.format import E5M2
+    from fp8.segments import Segments
+    from fp8.zero import unit_update
+
+    graphs = []
+
+    def inductor_recording(gm, example_inputs):
+        graphs.append(gm)
+        from torch._inductor.compile_fx import compile_fx
+        return compile_fx(gm, example_inputs)
+
+    update_fn = torch.compile(unit_update, backend=inductor_recording)
+    sizes = [5, 0, 300, 64]
+    seg = Segments(sizes, "cpu", fused=False)
+    decays = torch.tensor([True, False, True, False])
+    compiled, eager = _unit_state(sizes, "fp16", 9), _unit_state(sizes, "fp16", 9)
+    g = torch.Generator().manual_seed(2)
+    hyper = dict(beta1=0.9, beta2=0.95, eps=1e-8)
+    factor, scalars = torch.ones(()), torch.zeros(3)
+    for step in range(1, 5):
+        grad8 = (torch.randn(sum(sizes), generator=g) * 100).to(E5M2)
+        grad_scales = torch.full((len(sizes),), 64.0)
+        step_size, bc2_sqrt = bias_corrections(step, LR / step, 0.9, 0.95)
+        for i, x in enumerate((step_size, bc2_sqrt, 1.0 - LR / step * WD)):
+            scalars[i].fill_(x)
+        args = _unit_args(compiled, "fp16", grad8, grad_scales, factor, seg, decays, scalars)
+        with torch.no_grad():
+            update_fn(*args, **hyper)
+        unit_update(*_unit_args(eager, "fp16", grad8, grad_scales, factor, seg, decays, scalars), **hyper)
+        for k, fmt_step in (("master", 2 ** -10), ("m", 2 ** -3), ("v", 2 ** -10)):
+            scale = {"master": "master_scale", "m": "m_scale", "v": "v_scale"}[k]
+            want = torch.cat([dequantize(q, s, torch.float64) for q, s in
+                              zip(eager[0][k].split(sizes), eager[1][scale])])
+            got = torch.cat([dequantize(q, s, torch.float64) for q, s in
+                             zip(compiled[0][k].split(sizes), compiled[1][scale])])
+            torch.testing.assert_close(got, want, rtol=fmt_step, atol=fmt_step * float(want.abs().max()))
+    assert len(graphs) == 1, f"{len(graphs)} graphs over four steps: recompiled"
+    for gm in graphs:
+        for node in gm.graph.nodes:
+            val = node.meta.get("example_value")
+            assert not (isinstance(val, torch.Tensor) and val.dtype == torch.float64), (node.op, node.target)
+            assert not isinstance(val, (torch.SymFloat, torch.SymInt)), (node.op, node.target)
+
+
 def test_power_of_two_scale_is_the_exact_floor_for_one_or_many():
     """2**floor(log2(max / amax)) exactly (float64 math as the reference), the same bits whether the scales are
     computed one at a time or all at once; amax just above a power-of-two boundary included."""
