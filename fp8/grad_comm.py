@@ -79,13 +79,20 @@ def cast_gradients(acc: torch.Tensor, segments: Segments, mu: float, fmt: torch.
     """``_cast_gradient`` of every tensor of a flat fp32 buffer at once (``segments``: the tensors back to back):
     ``(q, scales, saturated)`` with ``q`` [numel] in ``fmt``, ``scales`` [T], ``saturated`` the total count (0-dim
     int64 on the device). The same bits as one ``_cast_gradient`` per tensor (the same operations, element for
-    element) in a few whole-buffer kernels instead of ~25 per tensor; ``acc`` is consumed (scaled in place)."""
+    element) in a few whole-buffer kernels instead of ~25 per tensor; ``acc`` is consumed (scaled in place).
+
+    Traced (``train.compile``), the products are not written back into ``acc``: a compiled graph that mutates its
+    input stores the new values into it (read in inductor's code: 4 bytes an element written for a buffer the
+    caller drops next); the same products, so the same bits."""
     amaxes = segments.max(acc.abs())
     scales = scale_from_amax(amaxes, fmt, margin, power_of_two)
-    views = [v for v, n in zip(acc.split(segments.lengths), segments.lengths) if n]
-    if views:  # (x * s) * mu, as _cast_gradient computes it
-        torch._foreach_mul_(views, [s for s, n in zip(scales.unbind(0), segments.lengths) if n])
-    acc.mul_(mu)
+    if torch.compiler.is_compiling():  # (x * s) * mu, out of place
+        acc = acc * segments.spread(scales) * mu
+    else:
+        views = [v for v, n in zip(acc.split(segments.lengths), segments.lengths) if n]
+        if views:  # (x * s) * mu, as _cast_gradient computes it
+            torch._foreach_mul_(views, [s for s, n in zip(scales.unbind(0), segments.lengths) if n])
+        acc.mul_(mu)
     acc.masked_fill_(torch.isinf(acc), float("nan"))  # the cast would clamp inf: keep it broken
     saturated = (~(acc.abs() <= format_max(fmt) * (1 + 2.0 ** -8))).sum()
     return quantize(acc, 1.0, fmt), scales, saturated
