@@ -349,10 +349,17 @@ def test_packed_update_is_the_per_tensor_update_bit_for_bit(master_dtype, fused)
     assert torch.isnan(flat["m"].float()).any()  # the NaN reached the state, as in the per-tensor update
 
 
-def test_compiled_spread_is_the_fills_gather():
-    """Segments.spread traced (train.compile: a segment search and a gather, inductor's code on this CPU) gives
-    the eager fills' values: empty first, middle and last segments, fp32 and float64 values."""
+@pytest.mark.parametrize("search", [False, True], ids=["compares", "binary_search"])
+def test_compiled_spread_is_the_fills_gather(search, monkeypatch):
+    """Segments.spread traced (train.compile: each element's segment found, then a gather; inductor's code on
+    this CPU) gives the eager fills' values: empty first, middle and last segments, fp32 and float64 values. Both
+    ways of finding the segment: compares with the segment ends (up to SEARCH_ABOVE segments) and a binary
+    search over them (above)."""
+    from fp8 import segments as segments_module
     from fp8.segments import Segments
+
+    monkeypatch.setattr(segments_module, "SEARCH_ABOVE", 0 if search else 64)
+    torch._dynamo.reset()  # the compiled graphs below are traced under this setting
 
     lengths = [0, 3, 0, 1, 17, 0, 64, 5, 0]
     seg = Segments(lengths, "cpu")
