@@ -349,13 +349,16 @@ class Fp8DataParallel(ZeroDataParallel):
             flat = torch.cat(pieces)
             comm.all_reduce(flat, self.mesh.tp)
             torch._foreach_copy_(pieces, list(flat.split([t.numel() for t in pieces])))
-        data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
         # every tensor cast with its own scale in a few whole-unit kernels (counts stay on the device: no syncs)
         q, scales, saturated = self._cast(acc, unit.packing()["compact"], self.autoscale.mu, self.grad_fmt,
                                           self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales)
-        if list(unit.compact) == list(unit.bounds):  # stage 0's flat layout: tensors back to back from 0
+        if unit.layout.padded_size == unit.numel and list(unit.compact) == list(unit.bounds):
+            data = q  # stage 0's flat layout without padding (one DP rank): the cast is the layout
+        elif list(unit.compact) == list(unit.bounds):  # stage 0's flat layout: tensors back to back from 0
+            data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
             data[:unit.numel] = q
         else:
+            data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
             for (a, b), (lo, hi) in zip(unit.compact, unit.bounds):
                 data[lo:hi] = q[a:b]
         unit.grad_acc = None
