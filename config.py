@@ -295,6 +295,10 @@ class Fp8Config:
     """Double mu after this many consecutive steps under the threshold."""
     master_dtype: str = "fp16"
     """FP8 AdamW master weights: fp16 (with a per-tensor scale; 6 bytes a parameter of model state) | fp32."""
+    grad_accumulation: str = "bf16"
+    """Where a step's weight gradients add up over its micro-batches before their FP8 cast: bf16 (2 bytes a
+    parameter while a step runs; each sum rounded to bf16's 8 bits, far below the E5M2 cast's 3 that follows) |
+    fp32 (4 bytes, Megatron's main_grad)."""
 
 
 @dataclass
@@ -555,6 +559,7 @@ _CHOICES = {
     "fp8.amax_compute": ("max", "most_recent"),
     "fp8.gradient_format": ("e5m2", "e4m3"),
     "fp8.master_dtype": ("fp16", "fp32"),
+    "fp8.grad_accumulation": ("bf16", "fp32"),
 }
 
 

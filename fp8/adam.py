@@ -100,14 +100,15 @@ def _moments_and_step(p: torch.Tensor, exp_avg: torch.Tensor, exp_avg_sq: torch.
 
     ``step_size`` and ``bc2_sqrt`` (``bias_corrections``): Python floats, or 0-dim device tensors holding them
     (the compiled packed update, ``fp8/zero.py`` under ``train.compile``, where a Python float that changes every
-    step would be a constant of the graph). With a tensor step size the parameter step is ``p - (m / denom) *
-    step_size`` (addcdiv takes no tensor factor): the same operations up to their order, so not the same bits as
-    the float form (addcdiv rounds ``(m * step_size) / denom``)."""
+    step would be a constant of the graph). With a tensor step size the parameter step is ``p - (m * step_size) /
+    denom``, addcdiv's order on CPU (addcdiv takes no tensor factor): the same bits there, which the packed update
+    run eagerly relies on to match the per-tensor one (tested); fp32 tensors hold the values an fp32 kernel rounds
+    the floats to."""
     exp_avg.lerp_(grad, 1.0 - beta1)
     exp_avg_sq.mul_(beta2).addcmul_(grad, grad, value=1.0 - beta2)
     denom = (exp_avg_sq.sqrt() / bc2_sqrt).add_(eps)
     if isinstance(step_size, torch.Tensor):
-        p.sub_(exp_avg / denom * step_size.float())
+        p.sub_(exp_avg * step_size.float() / denom)
     else:
         p.addcdiv_(exp_avg, denom, value=-step_size)
 

@@ -79,11 +79,13 @@ def cast_gradients(acc: torch.Tensor, segments: Segments, mu: float, fmt: torch.
     """``_cast_gradient`` of every tensor of a flat fp32 buffer at once (``segments``: the tensors back to back):
     ``(q, scales, saturated)`` with ``q`` [numel] in ``fmt``, ``scales`` [T], ``saturated`` the total count (0-dim
     int64 on the device). The same bits as one ``_cast_gradient`` per tensor (the same operations, element for
-    element) in a few whole-buffer kernels instead of ~25 per tensor; ``acc`` is consumed (scaled in place).
+    element) in a few whole-buffer kernels instead of ~25 per tensor; ``acc`` (fp32, or bf16 sums read as fp32) is
+    consumed (an fp32 one is scaled in place).
 
     Traced (``train.compile``), the products are not written back into ``acc``: a compiled graph that mutates its
     input stores the new values into it (read in inductor's code: 4 bytes an element written for a buffer the
     caller drops next); the same products, so the same bits."""
+    acc = acc.float()
     amaxes = segments.max(acc.abs())
     scales = scale_from_amax(amaxes, fmt, margin, power_of_two)
     if torch.compiler.is_compiling():  # (x * s) * mu, out of place

@@ -25,8 +25,8 @@ from the master (stage 0), from the persistent E4M3 copy (stages 1-2), or by the
 FP8 all-gather (stage 3, within the hpZ group when its secondary is valid). The
 FP8 linears cast them to E4M3 with their own scales (``fp8/linear.py``).
 
-A step: backward accumulates each parameter's gradient into its unit's fp32
-working buffer; on the last micro-batch, once the unit is complete, the
+A step: backward accumulates each parameter's gradient into its unit's working
+buffer (bf16, or fp32: ``fp8.grad_accumulation``); on the last micro-batch, once the unit is complete, the
 sequence-parallel norm pieces are summed over TP, every tensor is cast to FP8 as
 g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
 scale, FP8 bytes moved, fp32 sum, result scale N * s'_g); stage 0 all-gathers
@@ -94,7 +94,8 @@ class Fp8Unit:
     ``compact`` in the unit's working buffers (all tensors back to back)."""
 
     def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
-                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False):
+                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False,
+                 acc_dtype: torch.dtype = torch.bfloat16):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
         self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
@@ -134,7 +135,8 @@ class Fp8Unit:
         # reduced FP8 gradients of the owned tensors (raw bytes), their scales N * s'_g
         self.grad8 = torch.zeros(self.extent, dtype=torch.uint8, device=device)
         self.grad_scale = torch.ones_like(self.master_scale)
-        self.grad_acc: Optional[torch.Tensor] = None  # fp32 working accumulation during backward
+        self.grad_acc: Optional[torch.Tensor] = None  # working accumulation during backward (fp8.grad_accumulation)
+        self.acc_dtype = acc_dtype
         self.grad_views: Optional[List[torch.Tensor]] = None  # each parameter's view of it
         # E4M3 weights: stages 1-2 every tensor (compact), stage 3 the owned ones (packed)
         self.w8 = torch.zeros(self.numel if stage in (1, 2) else self.extent if stage == 3 else 0, dtype=E4M3,
@@ -181,11 +183,11 @@ class Fp8Unit:
         return adam.master_value(self.master[a:b], self.master_scale[i])
 
     def grad_view(self, i: int) -> torch.Tensor:
-        """Tensor i's piece of the fp32 gradient accumulation buffer (allocated, with every tensor's view, at the
-        first gradient of a step)."""
+        """Tensor i's piece of the gradient accumulation buffer (``fp8.grad_accumulation``'s dtype; allocated, with
+        every tensor's view, at the first gradient of a step)."""
         if self.grad_acc is None:
-            self.grad_acc = torch.zeros(self.numel, dtype=torch.float32, device=self.full.device)
-            self.working.add(self.grad_acc.numel() * 4)
+            self.grad_acc = torch.zeros(self.numel, dtype=self.acc_dtype, device=self.full.device)
+            self.working.add(self.grad_acc.numel() * self.grad_acc.element_size())
             self.grad_views = [self.grad_acc[a:b].view(p.shape) for p, (a, b) in zip(self.params, self.compact)]
         return self.grad_views[i]
 
@@ -310,8 +312,9 @@ class Fp8DataParallel(ZeroDataParallel):
         # packed: the step's scalars as fp32 device tensors, filled once a step (unit_update)
         self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device)
         self._scalars = torch.zeros(3, dtype=torch.float32, device=mesh.device)
+        acc_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[f.grad_accumulation]
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
-                                                       self.working, z.hpz_size, self.packed))
+                                                       self.working, z.hpz_size, self.packed, acc_dtype))
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -343,8 +346,10 @@ class Fp8DataParallel(ZeroDataParallel):
         self._cast_mu = self.autoscale.mu
         if unit.grad_acc is None:  # no gradient reached this unit: zeros, reduced like any other
             unit.grad_view(0)
-        acc = unit.grad_acc
+        self.working.sub(unit.grad_acc.numel() * unit.grad_acc.element_size())
+        acc = unit.grad_acc  # (bf16 sums are read as fp32 by the cast)
         if unit.sp and self.mesh.tp.size > 1:  # each TP rank normalised only its sequence slice: sum over TP
+            acc = acc.float()  # (in fp32: a copy of bf16 sums)
             pieces = [acc[unit.compact[i][0]:unit.compact[i][1]] for i in unit.sp]
             flat = torch.cat(pieces)
             comm.all_reduce(flat, self.mesh.tp)
@@ -363,7 +368,6 @@ class Fp8DataParallel(ZeroDataParallel):
                 data[lo:hi] = q[a:b]
         unit.grad_acc = None
         unit.grad_views = None
-        self.working.sub(acc.numel() * 4)
         del acc
         dp = self.mesh.dp
         if self.stage == 0 and dp.size == 1:  # one rank: no exchange, the same bits (grad_comm.reduce_one_rank)

@@ -72,6 +72,23 @@ def test_fp8_tracks_bf16_and_counts_its_bytes(name):
         assert r["held"] == r["held_estimate"], r
 
 
+@pytest.mark.parametrize("accumulation", ["bf16", "fp32"])
+def test_gradient_accumulation_dtype_sets_the_working_bytes_the_estimator_counts(accumulation):
+    """fp8.grad_accumulation: micro-batch weight gradients add up in bf16 (the default) or fp32 buffers; the working
+    peak (every unit's sums live from the first backward to the last micro-batch's reduction) is what the estimator
+    says, byte for byte, and it is 2 bytes a parameter less in bf16. Both train."""
+    over = [FP8, "train.global_batch_size=16", "train.micro_batch_size=4"]
+    r = run(1, over + [f"fp8.grad_accumulation={accumulation}"])[0]
+    other = run(1, over + [f"fp8.grad_accumulation={'fp32' if accumulation == 'bf16' else 'bf16'}"])[0]
+    assert r["memory"]["working_peak"] == r["estimated"]["working_peak"], (r["memory"], r["estimated"])
+    saved = (1 if accumulation == "fp32" else -1) * (r["memory"]["working_peak"] - other["memory"]["working_peak"])
+    assert saved == 2 * r["phi"], (saved, r["phi"])
+    assert r["losses"][-1] < r["losses"][0] - 0.1, r["losses"]
+    # the sums differ by bf16's rounding only: the same run within a hair
+    worst = max(abs(a - b) / b for a, b in zip(r["losses"], other["losses"]))
+    assert worst <= 2e-3, (r["losses"], other["losses"])
+
+
 def test_fp8_gradient_reduction_is_half_of_bf16():
     """ZeRO-1 over 2 ranks, whole tensors in both: the FP8 all-to-all moves half the bf16 reduce-scatter's bytes,
     and the shared-scale agreement adds one fp32 min per tensor."""

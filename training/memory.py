@@ -112,8 +112,8 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     ``fp8.zero.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
     parameter, packed; ``fp8_weights``: stages 1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the
     owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: bf16 weights materialised per
-    module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and fp32 gradient
-    accumulation (the whole step's when micro-batches accumulate)."""
+    module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and the gradient
+    accumulation (``fp8.grad_accumulation``: 2 or 4 bytes; the whole step's when micro-batches accumulate)."""
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
     master = 2 if cfg.fp8.master_dtype == "fp16" else 4
@@ -141,13 +141,13 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             out["gradients"] += owned + 4 * t
             out["optimizer"] += 3 * owned + 8 * t
             full_p.append(2 * total if z.stage else 0)
-            full_g.append(4 * total)
+            full_g.append((4 if cfg.fp8.grad_accumulation == "fp32" else 2) * total)
             kept += 0 if z.stage else 2 * total
         depth = z.prefetch_depth if z.prefetch else 0
         peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
         weights_only.append(_working_peak(uses, full_p, [0] * len(full_g), depth, 1))
         grads_all += sum(full_g)
-    # one micro-batch: a unit's fp32 gradient lives from its backward to its reduction; with accumulation
+    # one micro-batch: a unit's gradient sums live from its backward to its reduction; with accumulation
     # every unit's lives from the first backward to the last micro-batch's reduction
     out["working_peak"] = kept + (max(peaks) if layout.num_microbatches == 1 else grads_all + max(weights_only))
     return out
