@@ -8,7 +8,11 @@ DP rank (16 bytes a parameter); bf16/fp16 compute runs under autocast.
 Every parameter's ``.grad`` is a view into a flat fp32 bucket buffer, so autograd
 accumulates micro-batch gradients in place and a bucket is all-reduced as one
 tensor without copies. Buckets follow reverse parameter order (roughly the order
-backward produces gradients), ``bucket_mb`` each.
+backward produces gradients), ``bucket_mb`` each. With one DP rank there is nothing
+to reduce and no buckets: autograd keeps each gradient as it comes (the first
+micro-batch's tensor itself, the others added in place), as a plain PyTorch loop
+does, instead of zeroing buckets and adding every micro-batch into them (16 bytes a
+parameter a step less; the same sums).
 
 Accumulation micro-steps do no communication. Before the last backward of a
 step, ``start_sync`` arms the post-accumulate-grad hooks: a bucket whose
@@ -40,9 +44,10 @@ class GradBuckets:
         self.buckets: List[torch.Tensor] = []
         self.members: List[List[nn.Parameter]] = []
         self.bucket_of: Dict[nn.Parameter, int] = {}
+        self.flat = dp.size > 1  # one DP rank: no buckets (see the module docstring)
         limit = max(int(bucket_mb * 2**20 / 4), 1)
-        groups: List[List[nn.Parameter]] = [[]]
-        for p in reversed(self.params):
+        groups: List[List[nn.Parameter]] = [[]] if self.flat else []
+        for p in reversed(self.params if self.flat else []):
             if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:
                 groups.append([])
             groups[-1].append(p)
@@ -65,6 +70,13 @@ class GradBuckets:
     def zero_grad(self) -> None:
         for buf in self.buckets:
             buf.zero_()
+        if not self.flat:
+            for p in self.params:
+                p.grad = None
+
+    def grads(self) -> List[torch.Tensor]:
+        """The gradient tensors: the bucket buffers, or (one DP rank) each parameter's own."""
+        return self.buckets if self.flat else [p.grad for p in self.params if p.grad is not None]
 
     def start_sync(self) -> None:
         """Arm the hooks: the coming backward is the last of the step."""
@@ -92,6 +104,10 @@ class GradBuckets:
         """Reduce whatever has not been launched yet and wait for every bucket: grads are now DP means."""
         if not self._syncing:
             self.start_sync()
+        if not self.flat:  # a parameter no micro-batch reached gets zeros, as a zeroed bucket would hold
+            for p in self.params:
+                if p.grad is None:
+                    p.grad = torch.zeros_like(p)
         while self._next < len(self.buckets):
             self._launch(self._next)
         for work in self._works:
@@ -142,7 +158,7 @@ class DataParallel:
 
     def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
         """Unscale and clip, given ``norm_terms`` summed over the world."""
-        buffers = [buf for b in self.buckets for buf in b.buckets]
+        buffers = [g for b in self.buckets for g in b.grads()]
         return unscale_and_clip(buffers, terms[0].item(), loss_scale, max_norm)
 
     def step(self, lr: float) -> None:
@@ -191,5 +207,5 @@ class DataParallel:
         state = [t for st in self.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.numel() > 1]
         return {"parameters": sum(p.numel() * p.element_size() for p in self.params.values()),
-                "gradients": sum(b.numel() * b.element_size() for bk in self.buckets for b in bk.buckets),
+                "gradients": sum(p.numel() * 4 for b in self.buckets for p in b.params),  # fp32, all held
                 "optimizer": sum(t.numel() * t.element_size() for t in state), "working_peak": 0}

@@ -127,6 +127,36 @@ def test_gradient_accumulation_equals_one_big_micro_batch():
     torch.testing.assert_close(torch.tensor(many), torch.tensor(one), rtol=1e-5, atol=0)
 
 
+def test_one_dp_rank_keeps_autograd_gradients_instead_of_buckets():
+    """parallel/data_parallel.py with one DP rank: no bucket buffers; each gradient is autograd's own (the first
+    micro-batch's tensor kept, the next ones added in place), equal to the float64 sum of the micro-batches'
+    gradients; a parameter no micro-batch reached gets zeros at finish (as a zeroed bucket held), and zero_grad
+    drops them all for the next step."""
+    from parallel.data_parallel import GradBuckets
+
+    torch.manual_seed(0)
+    used, unused = torch.nn.Linear(8, 4), torch.nn.Linear(8, 4)
+    params = list(used.parameters()) + list(unused.parameters())
+    one = Group("dp", None, [0], 0, "intra", Ledger())
+    b = GradBuckets(params, one, bucket_mb=25.0)
+    assert b.buckets == [] and not b.flat
+    xs = [torch.randn(3, 8) for _ in range(4)]
+    want = sum(torch.autograd.functional.jacobian(lambda w: (x.double() @ w.t()).sum(), used.weight.detach().double())
+               for x in xs)
+    b.zero_grad()
+    used(xs[0]).sum().backward()
+    first = used.weight.grad
+    for x in xs[1:]:
+        used(x).sum().backward()
+    b.finish()
+    assert used.weight.grad is first, "the first micro-batch's gradient tensor is kept and added into"
+    torch.testing.assert_close(used.weight.grad.double(), want, rtol=1e-6, atol=1e-6)
+    assert all(torch.equal(p.grad, torch.zeros_like(p)) for p in unused.parameters())
+    assert len(b.grads()) == 4
+    b.zero_grad()
+    assert all(p.grad is None for p in params) and b.grads() == []
+
+
 def fp16_worker():
     cfg = tiny_config("precision=fp16", "loss_scale.initial=4294967296", "loss_scale.growth_interval=2")
     engine = build_engine(cfg)
