@@ -61,8 +61,8 @@ class Segments:
         self._nonempty_index = torch.tensor(self._nonempty, dtype=torch.int64, device=self.device)
         # each segment's end (exclusive), for the compiled spread's search
         self._index_dtype = torch.int32 if self.numel < 2**31 else torch.int64
-        self._ends = torch.tensor(list(itertools.accumulate(self.lengths)), dtype=self._index_dtype,
-                                  device=self.device)
+        self._end_list = list(itertools.accumulate(self.lengths))
+        self._ends = torch.tensor(self._end_list, dtype=self._index_dtype, device=self.device)
 
     def __len__(self) -> int:
         return len(self.lengths)
@@ -78,7 +78,7 @@ class Segments:
             position = torch.arange(self.numel, dtype=self._index_dtype, device=values.device)
             if len(self) <= SEARCH_ABOVE:  # the number of ends at or below the position: compares with constants
                 segment = torch.zeros_like(position)
-                for end in itertools.accumulate(self.lengths[:-1]):
+                for end in self._end_list[:-1]:
                     segment = segment + (position >= end).to(self._index_dtype)
             else:
                 segment = torch.bucketize(position, self._ends, out_int32=self._index_dtype == torch.int32,

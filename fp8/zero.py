@@ -59,7 +59,8 @@ from fp8.segments import Segments
 from model.compile import backend as compile_backend, enabled as compile_enabled
 from parallel import comm
 from parallel.mesh import Mesh
-from parallel.optim_rules import grad_factor, owns_gradient, unscaled_norm, weight_decay_exempt
+from parallel.optim_rules import (COMPUTE_DTYPES, grad_factor, owns_gradient, unscaled_norm,
+                                  weight_decay_exempt)
 from parallel.zero.dcp_view import shard_view
 from parallel.zero.partition import shard_layout
 from parallel.zero.sharded import Working, ZeroDataParallel
@@ -312,7 +313,7 @@ class Fp8DataParallel(ZeroDataParallel):
         # packed: the step's scalars as fp32 device tensors, filled once a step (unit_update)
         self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device)
         self._scalars = torch.zeros(3, dtype=torch.float32, device=mesh.device)
-        acc_dtype = {"bf16": torch.bfloat16, "fp32": torch.float32}[f.grad_accumulation]
+        acc_dtype = COMPUTE_DTYPES[f.grad_accumulation]
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed, acc_dtype))
         self._factor = 1.0
@@ -357,14 +358,13 @@ class Fp8DataParallel(ZeroDataParallel):
         # every tensor cast with its own scale in a few whole-unit kernels (counts stay on the device: no syncs)
         q, scales, saturated = self._cast(acc, unit.packing()["compact"], self.autoscale.mu, self.grad_fmt,
                                           self.cfg.fp8.margin, self.cfg.fp8.power_of_two_scales)
-        if unit.layout.padded_size == unit.numel and list(unit.compact) == list(unit.bounds):
-            data = q  # stage 0's flat layout without padding (one DP rank): the cast is the layout
-        elif list(unit.compact) == list(unit.bounds):  # stage 0's flat layout: tensors back to back from 0
-            data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
-            data[:unit.numel] = q
+        back_to_back = list(unit.compact) == list(unit.bounds)  # stage 0's flat layout: tensors from 0 on
+        if back_to_back and unit.layout.padded_size == unit.numel:
+            data = q  # (no padding: one DP rank) the cast is the layout
         else:
             data = torch.zeros(unit.layout.padded_size, dtype=self.grad_fmt, device=acc.device)
-            for (a, b), (lo, hi) in zip(unit.compact, unit.bounds):
+            spans = [((0, unit.numel), (0, unit.numel))] if back_to_back else zip(unit.compact, unit.bounds)
+            for (a, b), (lo, hi) in spans:
                 data[lo:hi] = q[a:b]
         unit.grad_acc = None
         unit.grad_views = None

@@ -46,11 +46,13 @@ class GradBuckets:
         self.bucket_of: Dict[nn.Parameter, int] = {}
         self.flat = dp.size > 1  # one DP rank: no buckets (see the module docstring)
         limit = max(int(bucket_mb * 2**20 / 4), 1)
-        groups: List[List[nn.Parameter]] = [[]] if self.flat else []
-        for p in reversed(self.params if self.flat else []):
-            if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:
-                groups.append([])
-            groups[-1].append(p)
+        groups: List[List[nn.Parameter]] = []
+        if self.flat:
+            groups.append([])
+            for p in reversed(self.params):
+                if groups[-1] and sum(q.numel() for q in groups[-1]) + p.numel() > limit:
+                    groups.append([])
+                groups[-1].append(p)
         for i, members in enumerate(groups):
             buf = torch.zeros(sum(p.numel() for p in members), dtype=torch.float32, device=members[0].device)
             offset = 0
@@ -207,5 +209,5 @@ class DataParallel:
         state = [t for st in self.optimizer.state.values() for t in st.values()
                  if isinstance(t, torch.Tensor) and t.numel() > 1]
         return {"parameters": sum(p.numel() * p.element_size() for p in self.params.values()),
-                "gradients": sum(p.numel() * 4 for b in self.buckets for p in b.params),  # fp32, all held
+                "gradients": sum(p.numel() * p.element_size() for b in self.buckets for p in b.params),
                 "optimizer": sum(t.numel() * t.element_size() for t in state), "working_peak": 0}

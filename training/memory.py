@@ -141,7 +141,7 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             out["gradients"] += owned + 4 * t
             out["optimizer"] += 3 * owned + 8 * t
             full_p.append(2 * total if z.stage else 0)
-            full_g.append((4 if cfg.fp8.grad_accumulation == "fp32" else 2) * total)
+            full_g.append(DTYPE_BYTES[cfg.fp8.grad_accumulation] * total)
             kept += 0 if z.stage else 2 * total
         depth = z.prefetch_depth if z.prefetch else 0
         peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
