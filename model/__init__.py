@@ -1,6 +1,6 @@
 """The GPT, built from the parallel-aware layers of parallel/ (and fp8/'s linear through them).
 
-Middle layer: imports config.py and the parallel primitives and layers, never the data-parallel strategies,
+Middle layer: imports config/ and the parallel primitives and layers, never the data-parallel strategies,
 training/ or the entry points (like nanoGPT's model, it knows nothing of the trainer).
 
   gpt.py     chunks of blocks per pipeline stage, embedding and head, named parameters

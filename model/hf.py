@@ -57,7 +57,7 @@ ROPE_SETTINGS = {"factor": "rope_scaling_factor", "low_freq_factor": "rope_low_f
                  "original_max_position_embeddings": "rope_original_max_positions"}
 MOE_KEYS = ("num_local_experts", "num_experts", "n_routed_experts", "moe_intermediate_size")
 QK_NORM_KEYS = ("qk_norm", "use_qk_norm", "qk_layernorm")
-HF_INTS = {  # config.json key: (required, the setting it becomes, its largest value: config.py's bound of it)
+HF_INTS = {  # config.json key: (required, the setting it becomes, its largest value: config/schema.py's bound of it)
     "vocab_size": (True, "model.vocab_size", MAX_VOCAB_SIZE), "hidden_size": (True, "model.d_model", MAX_D_MODEL),
     "intermediate_size": (True, "model.ffn_hidden", 4 * MAX_D_MODEL),
     "num_hidden_layers": (True, "model.n_layers", MAX_LAYERS),

@@ -3,7 +3,7 @@
 The layers of the code base, bottom first (tests/test_layering.py enforces them; a module imports only from
 its own layer or below, and the graph has no cycles):
 
-  config.py, kernels/, data/        schema and validation; quantization kernels; tokenizers and datasets
+  config/, kernels/, data/         schema and validation; quantization kernels; tokenizers and datasets
   parallel/ primitives              launch, layout, mesh, comm, random, schedule, pipeline
   fp8/ numerics                     formats, scaling, FP8 linear, FP8 gradient communication, FP8 AdamW
   parallel/ layers                  tensor_parallel, cross_entropy, optim_rules, cpu_gemm

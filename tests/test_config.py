@@ -1,4 +1,4 @@
-"""Tests for config.py: defaults, precedence, rejection of bad input, validation, --help text."""
+"""Tests for config/: defaults, precedence, rejection of bad input, validation, --help text."""
 
 from __future__ import annotations
 
@@ -208,7 +208,7 @@ def test_zero_divisors_give_a_config_error(override: str, key: str) -> None:
 # ---- ceilings of sizes, counts and intervals that allocate or loop (issue 17) ---------------------------
 
 # (key, the largest value accepted, a value rejected, other overrides both need). Written out as numbers here,
-# not read from config.py: each row is the documented range, and each rejected value used to pass validation
+# not read from config/: each row is the documented range, and each rejected value used to pass validation
 # and then die in an allocation (or a near-endless loop, or skip every step).
 BOUNDS = [
     ("model.max_seq_len", 2**20, 2**40, []),

@@ -1,5 +1,5 @@
 """Training: the step, the loop and what persists between runs. Second layer from the top: it may import
-every package below (config.py, data/, kernels/, parallel/, fp8/, model/); only train.py and scripts/
+every package below (config/, data/, kernels/, parallel/, fp8/, model/); only train.py and scripts/
 import it.
 
   engine.py      one optimizer step: pipeline schedule, the data-parallel strategy, loss scaling

@@ -1,6 +1,6 @@
 """ZeRO over each data-parallel group (stages 1-3; ZeRO++ builds on these).
 
-A strategies-layer package: it may import config.py, kernels/, the parallel primitives and layers, fp8/
+A strategies-layer package: it may import config/, kernels/, the parallel primitives and layers, fp8/
 numerics and model/ (units are cut along the model's modules); never training/ or the entry points.
 fp8/zero.py (FP8-LM's strategy) builds on sharded.py from beside it.
 

@@ -1,0 +1,128 @@
+"""Loading: defaults < YAML file < command-line dotlist through omegaconf's structured configs, and the way back
+(dict, YAML, ``--help`` lines)."""
+from __future__ import annotations
+
+import dataclasses
+import functools
+import typing
+from typing import List, Optional
+
+import yaml
+from omegaconf import OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+from config.schema import CHOICES, Config, ConfigError
+
+
+def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
+    """Defaults < YAML < dotlist overrides, type-checked by omegaconf, then returned as dataclasses."""
+    base = OmegaConf.structured(Config)
+    layers = []
+    try:
+        if yaml_path is not None:
+            layers.append(OmegaConf.load(yaml_path))
+        if overrides:
+            bad = [o for o in overrides if "=" not in o]
+            if bad:
+                raise ConfigError(f"overrides must look like key=value, got {bad}")
+            for o in overrides:  # one at a time: a malformed value (``key=[x``) is named with its override
+                try:
+                    layer = OmegaConf.from_dotlist([o])
+                except yaml.YAMLError as e:
+                    reason = " ".join(str(getattr(e, "problem", None) or e).split())
+                    raise ConfigError(f"override {o!r} is not a valid YAML value ({reason})") from None
+                key, text = o.split("=", 1)
+                key = key.strip()
+                if key in _string_keys() and isinstance(OmegaConf.select(layer, key), (bool, int, float)):
+                    # a string setting is the text as typed: ``off`` (not YAML 1.1's False), ``007`` (not 7)
+                    OmegaConf.update(layer, key, text.strip())
+                layers.append(layer)
+        if yaml_path is not None:
+            _string_booleans(layers[0], yaml_path)
+        merged = OmegaConf.merge(base, *layers)
+        cfg = OmegaConf.to_object(merged)
+    except FileNotFoundError as e:
+        raise ConfigError(f"config file not found: {yaml_path}") from e
+    except OmegaConfBaseException as e:
+        where = f" in {yaml_path}" if yaml_path else ""
+        raise ConfigError(f"invalid config{where}: {_omegaconf_message(e)}") from None
+    assert isinstance(cfg, Config)
+    return cfg
+
+
+@functools.lru_cache(maxsize=None)
+def _string_keys() -> frozenset:
+    """Dotted keys of the string settings (``str`` or ``Optional[str]``), from the schema (once)."""
+
+    def walk(cls: type, prefix: str):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            elif t is str or t == Optional[str]:
+                yield prefix + f.name
+
+    return frozenset(walk(Config, ""))
+
+
+def _string_booleans(layer, yaml_path: str) -> None:
+    """A string setting written unquoted as ``off`` / ``on`` / ``yes`` / ``no`` / ``true`` / ``false`` in a YAML file
+    reaches us as a boolean (YAML 1.1), and would become the string 'False'. Where the setting takes 'off' / 'on'
+    (``model.activation_checkpointing: off``) that is what was meant; anywhere else the word is unknown: an error
+    that asks for quotes."""
+    for key in sorted(_string_keys()):
+        value = OmegaConf.select(layer, key, default=None)
+        if not isinstance(value, bool):
+            continue
+        word = "on" if value else "off"
+        if word in CHOICES.get(key, ()):
+            OmegaConf.update(layer, key, word)
+        else:
+            raise ConfigError(f"invalid config in {yaml_path}: {key} is a string but YAML read its value as the "
+                              f"boolean {value}; write it in quotes ({key.rsplit('.', 1)[-1]}: \"...\")")
+
+
+def _omegaconf_message(e: OmegaConfBaseException) -> str:
+    key = getattr(e, "full_key", None)
+    msg = str(e).splitlines()[0]
+    return f"{key}: {msg}" if key and key not in msg else msg
+
+
+def to_dict(cfg: Config) -> dict:
+    return dataclasses.asdict(cfg)
+
+
+def to_yaml(cfg: Config) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(cfg))
+
+
+def describe(cls: type = Config, prefix: str = "") -> List[str]:
+    """One line per field: dotted key, type, default, docstring (for --help)."""
+    docs = _field_docs(cls)
+    lines = []
+    hints = typing.get_type_hints(cls)
+    for f in dataclasses.fields(cls):
+        key = f"{prefix}{f.name}"
+        if dataclasses.is_dataclass(hints[f.name]):
+            lines.extend(describe(hints[f.name], key + "."))
+            continue
+        default = f.default if f.default is not dataclasses.MISSING else f.default_factory()  # type: ignore[misc]
+        tname = getattr(hints[f.name], "__name__", str(hints[f.name]).replace("typing.", ""))
+        lines.append(f"  {key} ({tname}, default {default!r}): {docs.get(f.name, '')}")
+    return lines
+
+
+def _field_docs(cls: type) -> dict:
+    """Attribute docstrings (the string literal under each field) read from the source."""
+    import ast
+    import inspect
+    import textwrap
+
+    tree = ast.parse(textwrap.dedent(inspect.getsource(cls)))
+    body = tree.body[0].body  # type: ignore[attr-defined]
+    docs = {}
+    for node, nxt in zip(body, body[1:]):
+        if isinstance(node, ast.AnnAssign) and isinstance(nxt, ast.Expr) and isinstance(nxt.value, ast.Constant):
+            docs[node.target.id] = nxt.value.value  # type: ignore[union-attr]
+    return docs
