@@ -442,7 +442,7 @@ def test_unit_update_with_its_scalars_made_is_the_packed_update_bit_for_bit(mast
     from fp8.adam import adamw_update_packed, bias_corrections
     from fp8.format import E5M2
     from fp8.segments import Segments
-    from fp8.zero import dequantize_segments, unit_update
+    from fp8.zero_unit import dequantize_segments, unit_update
 
     sizes = [1, 9, 0, 8, 33, 100, 4099]
     seg = Segments(sizes, "cpu", fused=False)
@@ -484,7 +484,7 @@ def test_compiled_unit_update_takes_its_scalars_made():
     from fp8.adam import bias_corrections
     from fp8.format import E5M2
     from fp8.segments import Segments
-    from fp8.zero import unit_update
+    from fp8.zero_unit import unit_update
 
     graphs = []
 

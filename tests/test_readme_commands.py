@@ -41,7 +41,7 @@ What happens to each command:
 **Blocks are scripts**: the commands of one block run top to bottom in one fresh directory, so a line may use
 what an earlier line of its block made (a tokenizer, a preprocessed corpus, a run directory, an import). A block
 whose commands equal an earlier block's (the README's recipes repeat blocks of docs/) runs once. The directory
-links the repository's code (``train.py``, ``config.py``, the packages, ``scripts/``, ``configs/``, the
+links the repository's code (``train.py``, ``config/``, the packages, ``scripts/``, ``configs/``, the
 requirements files) as a reader's checkout has it, and holds the stand-ins for the reader's own files:
 ``my_corpus.jsonl`` (the bundled corpus, uncompressed) and ``path/to/llama`` (a tiny random Llama saved by
 transformers, with the bundled sentencepiece tokenizer).

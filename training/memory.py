@@ -109,7 +109,7 @@ def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
 
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
     """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by
-    ``fp8.zero.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
+    ``fp8.zero_unit.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
     parameter, packed; ``fp8_weights``: stages 1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the
     owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: bf16 weights materialised per
     module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and the gradient
@@ -117,7 +117,7 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
     master = 2 if cfg.fp8.master_dtype == "fp16" else 4
-    from fp8.zero import OwnerBalance
+    from fp8.zero_unit import OwnerBalance
 
     out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
     peaks, weights_only, grads_all, owners = [0], [0], 0, OwnerBalance(n)
