@@ -5,6 +5,7 @@ import it.
   engine.py      one optimizer step: pipeline schedule, the data-parallel strategy, loss scaling
   trainer.py     the loop: data, validation, logging, checkpoints, stop signals, divergence
   checkpoint.py  torch.distributed.checkpoint, layout-independent, atomic, verified
+  checkpoint_files.py  a checkpoint's manifest, its verification, finding the checkpoint a path names
   safe_load.py   reading a checkpoint's files without running anything in them (allow-list unpickler)
   optim.py       warm-up + cosine learning rate, dynamic loss scaling
   memory.py      the per-rank memory estimate (model states by ZeRO stage, activations)
