@@ -266,9 +266,17 @@ class Fp8Config:
     by the Triton kernels of kernels/fp8_transpose.py (Transformer Engine's cast_transpose) instead of torch ops
     that inductor fuses; the same bytes (tested). CPU runs the same plain-torch operations either way. Off until
     a GPU run has timed it."""
+    gemm: str = "auto"
+    """The dtype of the linear layers' GEMMs: auto (fp8 where the device has FP8 tensor cores, compute capability
+    >= 8.9, and on CPU; bf16 on 8.0-8.8, A100; fp16 below, V100: decided by capability, never by the GPU's name) |
+    fp8 | bf16 | fp16. With bf16 or fp16 GEMMs the weights enter them as the step's 16-bit working copy and the
+    activations are not quantized; the rest of FP8-LM is unchanged (FP8 weight gradients with mu and their FP8
+    communication, the FP8 AdamW and its 6 bytes a parameter, whole-tensor ZeRO, hpZ). fp16 GEMMs compute the
+    whole model in fp16 under the dynamic loss scaler (loss_scale.*)."""
     emulate: bool = False
-    """Quantize/dequantize around bf16 GEMMs instead of FP8 GEMMs: numerics of FP8 on GPUs without FP8
-    (V100, A100); no speed-up."""
+    """FP8 numerics around 16-bit GEMMs: every GEMM operand cast to FP8 with its scale and dequantized into the
+    GEMM's dtype (fp8.gemm: bf16 or fp16; auto picks the device's 16-bit one). Tests FP8-LM's numerics where
+    there are no FP8 tensor cores; no speed-up. Refused with fp8.gemm=fp8."""
     mu_initial: float = 1.0
     """Gradient auto-scaling factor mu at the start (FP8-LM 2.1); 2**-64 to 2**64, the range mu moves in."""
     mu_overflow_threshold: float = 1e-5
@@ -277,10 +285,12 @@ class Fp8Config:
     """Double mu after this many consecutive steps under the threshold."""
     master_dtype: str = "fp16"
     """FP8 AdamW master weights: fp16 (with a per-tensor scale; 6 bytes a parameter of model state) | fp32."""
-    grad_accumulation: str = "bf16"
-    """Where a step's weight gradients add up over its micro-batches before their FP8 cast: bf16 (2 bytes a
-    parameter while a step runs; each sum rounded to bf16's 8 bits, far below the E5M2 cast's 3 that follows) |
-    fp32 (4 bytes, Megatron's main_grad)."""
+    grad_accumulation: str = "compute"
+    """Where a step's weight gradients add up over its micro-batches before their FP8 cast: compute (the compute
+    dtype's 16 bits: bf16, or fp16 with fp8.gemm=fp16, where a V100 has no bf16) | bf16 (2 bytes a parameter while
+    a step runs; each sum rounded to bf16's 8 bits, far below the E5M2 cast's 3 that follows) | fp16 (2 bytes;
+    loss-scaled fp16 sums that overflow skip the step like any fp16 overflow) | fp32 (4 bytes, Megatron's
+    main_grad)."""
 
 
 @dataclass
@@ -406,7 +416,8 @@ class Config:
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     logging: LoggingConfig = field(default_factory=LoggingConfig)
     precision: str = "fp32"
-    """fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (FP8-LM: FP8 GEMMs, gradients and AdamW; bf16 elsewhere)."""
+    """fp32 | bf16 | fp16 (dynamic loss scaling) | fp8 (FP8-LM: FP8 gradients and AdamW, GEMMs per fp8.gemm; bf16
+    elsewhere, fp16 with fp16 GEMMs)."""
     device: str = "auto"
     """auto (cuda when present) | cpu | cuda."""
 
@@ -428,5 +439,6 @@ CHOICES = {
     "fp8.amax_compute": ("max", "most_recent"),
     "fp8.gradient_format": ("e5m2", "e4m3"),
     "fp8.master_dtype": ("fp16", "fp32"),
-    "fp8.grad_accumulation": ("bf16", "fp32"),
+    "fp8.grad_accumulation": ("compute", "bf16", "fp16", "fp32"),
+    "fp8.gemm": ("auto", "fp8", "bf16", "fp16"),
 }

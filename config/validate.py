@@ -164,6 +164,8 @@ def validate_config(cfg: Config) -> None:
     within("fp8.mu_initial", MU_RANGE[0], MU_RANGE[1], "config.MU_RANGE, the range mu's auto-scaling keeps it in")
     need(0 <= f.mu_overflow_threshold < 1, f"fp8.mu_overflow_threshold={f.mu_overflow_threshold} must be in [0, 1)")
     need(f.mu_growth_interval >= 1, f"fp8.mu_growth_interval={f.mu_growth_interval} must be >= 1")
+    need(not (f.emulate and f.gemm == "fp8"), "fp8.emulate=true emulates FP8 numerics around 16-bit GEMMs: it does "
+         "not combine with fp8.gemm=fp8 (use fp8.gemm=auto, bf16 or fp16 with it, or fp8.emulate=false)")
     if cfg.precision == "fp8":
         need(not (m.tie_embeddings and cfg.parallel.pp > 1),
              "precision=fp8 with model.tie_embeddings=true and parallel.pp > 1 is not supported (the tied "

@@ -19,14 +19,14 @@ gather moves each rank's E4M3 shard with its fp32 scales appended, as one uint8
 payload. Stage 1 keeps gradient shards like stage 2: the FP8 reduction produces
 them anyway. One rank: stage 0 keeps 2 + 1 + 1 + 2 = 6 bytes a parameter.
 
-The compute weights (bf16, what autograd and the norms see) are *working*
+The compute weights (bf16, or fp16 with fp16 GEMMs: what autograd, the norms and the 16-bit GEMMs see) are *working*
 buffers for every stage: materialised before a module runs and released after,
 from the master (stage 0), from the persistent E4M3 copy (stages 1-2), or by the
 FP8 all-gather (stage 3, within the hpZ group when its secondary is valid). The
 FP8 linears cast them to E4M3 with their own scales (``fp8/linear.py``).
 
 A step: backward accumulates each parameter's gradient into its unit's working
-buffer (bf16, or fp32: ``fp8.grad_accumulation``); on the last micro-batch, once the unit is complete, the
+buffer (the compute dtype's 16 bits, or fp32: ``fp8.grad_accumulation``); on the last micro-batch, once the unit is complete, the
 sequence-parallel norm pieces are summed over TP, every tensor is cast to FP8 as
 g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
 scale, FP8 bytes moved, fp32 sum, result scale N * s'_g); stage 0 all-gathers
@@ -49,7 +49,7 @@ from typing import Dict, List, Optional, Sequence, Tuple
 import torch
 from torch import nn
 
-from config import Config
+from config import Config, compute_precision, grad_accumulation_precision
 from fp8 import adam
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients,
@@ -69,7 +69,7 @@ class Fp8DataParallel(ZeroDataParallel):
         f, z = cfg.fp8, cfg.zero
         assert not (cfg.model.tie_embeddings and mesh.layout.pp > 1), "refused by validate_config"
         self.cfg, self.mesh, self.stage = cfg, mesh, z.stage
-        self.compute_dtype = torch.bfloat16
+        self.compute_dtype = COMPUTE_DTYPES[compute_precision(cfg)]
         self.grad_fmt = FORMATS[f.gradient_format]
         self.working = Working()
         self.qwz = self.qgz = None
@@ -93,9 +93,10 @@ class Fp8DataParallel(ZeroDataParallel):
         # packed: the step's scalars as fp32 device tensors, filled once a step (unit_update)
         self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device)
         self._scalars = torch.zeros(3, dtype=torch.float32, device=mesh.device)
-        acc_dtype = COMPUTE_DTYPES[f.grad_accumulation]
+        acc_dtype = COMPUTE_DTYPES[grad_accumulation_precision(cfg)]
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
-                                                       self.working, z.hpz_size, self.packed, acc_dtype))
+                                                       self.working, z.hpz_size, self.packed, acc_dtype,
+                                                       self.compute_dtype))
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -128,9 +129,9 @@ class Fp8DataParallel(ZeroDataParallel):
         if unit.grad_acc is None:  # no gradient reached this unit: zeros, reduced like any other
             unit.grad_view(0)
         self.working.sub(unit.grad_acc.numel() * unit.grad_acc.element_size())
-        acc = unit.grad_acc  # (bf16 sums are read as fp32 by the cast)
+        acc = unit.grad_acc  # (16-bit sums are read as fp32 by the cast)
         if unit.sp and self.mesh.tp.size > 1:  # each TP rank normalised only its sequence slice: sum over TP
-            acc = acc.float()  # (in fp32: a copy of bf16 sums)
+            acc = acc.float()  # (in fp32: a copy of 16-bit sums)
             pieces = [acc[unit.compact[i][0]:unit.compact[i][1]] for i in unit.sp]
             flat = torch.cat(pieces)
             comm.all_reduce(flat, self.mesh.tp)
@@ -208,14 +209,24 @@ class Fp8DataParallel(ZeroDataParallel):
         return terms
 
     def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
-        """Global norm of the reduced gradients (mu is a loss scale here), given ``norm_terms`` summed over the
-        world; then mu follows the overflow count."""
+        """Global norm of the reduced gradients, given ``norm_terms`` summed over the world; then mu follows the
+        overflow count.
+
+        The reduced gradients hold ``mu * S * g`` (S the fp16 loss scale, 1 in bf16): the backward's 16-bit
+        gradients carry S, the FP8 cast multiplies them by mu. Both leave together, in the factor the FP8 AdamW
+        multiplies the dequantized gradient by (``1 / (mu S)``, times the clipping factor of the norm so unscaled).
+        A non-finite norm skips the step. Under fp16 compute (``fp8.gemm=fp16``) that is the fp16 backward's
+        overflow, which the loss scaler answers (the engine halves S): mu did not cause it (``mu * g`` is cast
+        saturating and the FP8 sums are finite), so mu and its clean-step count hold. In bf16 a non-finite
+        gradient counts as a full overflow and halves mu, as before. A finite step's saturated elements move mu
+        (halved above ``fp8.mu_overflow_threshold``) and the step is taken: saturation clips, it does not skip."""
         sq, overflowing, counted = terms.tolist()
         mu = self.autoscale.mu
         norm = unscaled_norm(sq, loss_scale * mu)
         finite = math.isfinite(norm)
-        overflow = overflowing if finite else counted
-        self.autoscale.update(int(overflow), max(int(counted), 1))
+        if finite or self.compute_dtype != torch.float16:
+            overflow = overflowing if finite else counted
+            self.autoscale.update(int(overflow), max(int(counted), 1))
         self.mu_record = {"mu": mu, "overflow_fraction": self.autoscale.last_fraction,
                           "mu_changes": self.autoscale.changes}
         if not finite:
@@ -255,7 +266,7 @@ class Fp8DataParallel(ZeroDataParallel):
 
     @torch.no_grad()
     def _refresh_weights(self) -> None:
-        """Stage 0: the bf16 working weights from the masters (kept until the next step). Stages 1-3: E4M3 weights
+        """Stage 0: the 16-bit working weights from the masters (kept until the next step). Stages 1-3: E4M3 weights
         from the masters; stages 1-2 all-gather them with their scales."""
         for u in self.units:
             u.secondary_valid = False
@@ -304,7 +315,7 @@ class Fp8DataParallel(ZeroDataParallel):
 
     # -- working weights: materialise before use, release after ----------------------------------------
     def _materialize(self, unit: Fp8Unit) -> None:
-        """Stage 0: the unit's bf16 working weights from its masters (every rank holds every master). Done once per
+        """Stage 0: the unit's 16-bit working weights from its masters (every rank holds every master). Done once per
         optimizer step (``_refresh_weights``) and kept until the next: every forward and backward of the step's
         micro-batches reads the same values, so dequantizing them per module use (twice per micro-batch) would
         only repeat the same work."""
@@ -314,7 +325,7 @@ class Fp8DataParallel(ZeroDataParallel):
             unit.gathered = True
         if not unit.packed:
             for i, (a, b) in enumerate(unit.compact):
-                unit.full[a:b] = unit.master_value(i).to(torch.bfloat16)
+                unit.full[a:b] = unit.master_value(i).to(unit.full.dtype)
         elif unit.master.dtype == torch.float32:  # packed: owned = all, where = compact (back to back)
             unit.full.copy_(unit.master)
         else:

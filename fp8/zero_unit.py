@@ -50,7 +50,7 @@ class Fp8Unit:
 
     def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
                  stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False,
-                 acc_dtype: torch.dtype = torch.bfloat16):
+                 acc_dtype: torch.dtype = torch.bfloat16, work_dtype: torch.dtype = torch.bfloat16):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
         self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
@@ -103,8 +103,8 @@ class Fp8Unit:
         self.secondary_scale = torch.ones_like(self.master_scale) if hpz > 1 else None
         self.secondary_valid = False
         self.gathered8: Optional[torch.Tensor] = None  # the E4M3 bytes of the last gather, until release
-        # the compute (bf16) working weights, materialised on demand
-        self.full = torch.zeros(self.numel, dtype=torch.bfloat16, device=device)
+        # the compute working weights (bf16, or fp16 with fp16 GEMMs), materialised on demand
+        self.full = torch.zeros(self.numel, dtype=work_dtype, device=device)
         for p, (a, b) in zip(self.params, self.compact):
             p.data = self.full[a:b].view(p.shape)
         self.full.untyped_storage().resize_(0)
@@ -147,14 +147,14 @@ class Fp8Unit:
         return self.grad_views[i]
 
     def set_weights(self, data: torch.Tensor, scales: torch.Tensor) -> None:
-        """Dequantize every tensor's E4M3 bytes (compact order) into the bf16 working buffer (packed: one pass,
+        """Dequantize every tensor's E4M3 bytes (compact order) into the 16-bit working buffer (packed: one pass,
         each element divided by its tensor's scale)."""
         if not self.packed:
             for i, (a, b) in enumerate(self.compact):
-                self.full[a:b] = dequantize(data[a:b].view(E4M3), scales[i], torch.bfloat16)
+                self.full[a:b] = dequantize(data[a:b].view(E4M3), scales[i], self.full.dtype)
             return
         per_element = self.packing()["compact"].spread(scales)
-        self.full.copy_(dequantize(data[:self.numel].view(E4M3), per_element, torch.bfloat16))
+        self.full.copy_(dequantize(data[:self.numel].view(E4M3), per_element, self.full.dtype))
 
 
 class _Gather:
@@ -207,7 +207,7 @@ def unit_square_sum(grad8: torch.Tensor, grad_scales: torch.Tensor, segments: Se
 
 def materialize_packed(full: torch.Tensor, master: torch.Tensor, master_scales: torch.Tensor,
                        segments: Segments) -> None:
-    """Stage 0's working weights (``full``, bf16) from a unit's scaled FP16 masters, written in place."""
+    """Stage 0's working weights (``full``, 16-bit) from a unit's scaled FP16 masters, written in place."""
     full.copy_(dequantize(master, segments.spread(master_scales), full.dtype))
 
 

@@ -32,7 +32,7 @@ from __future__ import annotations
 from collections import defaultdict
 from typing import Dict
 
-from config import Config
+from config import Config, fp8_operands
 from model.flops import parameter_count
 from parallel.layout import Layout, kv_replicas
 from parallel.schedule import sends, train_schedule
@@ -74,11 +74,12 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
     out: Dict[str, float] = defaultdict(float)
 
     fp8 = cfg.precision == "fp8"
-    head_fp8 = fp8 and cfg.fp8.output_head
+    quantized = fp8 and fp8_operands(cfg.fp8)  # FP8 linears (not with 16-bit GEMMs: fp8.gemm)
+    head_fp8 = quantized and cfg.fp8.output_head
     if t > 1:
         pair = 2 * (t - 1) / t * a  # one all-reduce, or one all-gather + one reduce-scatter (SP)
         # FP8-LM: the SP all-gather in front of an FP8 linear moves E4M3 bytes, half of one gather
-        fp8_saving = (t - 1) / t * a / 2 if fp8 and sp and cfg.fp8.sequence_parallel_fp8 else 0.0
+        fp8_saving = (t - 1) / t * a / 2 if quantized and sp and cfg.fp8.sequence_parallel_fp8 else 0.0
         per_layer = 4 * pair - 2 * fp8_saving  # the QKV and MLP-up input gathers
         if m.activation_checkpointing == "full":
             # recomputation repeats the forward's collectives up to the last tensor backward needs (torch's
@@ -110,7 +111,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
     if fp8:
         for group, nbytes in fp8_dp_step_bytes(cfg, layout, rank, secondary_valid).items():
             out[group] += nbytes
-        linears = 4 * layers + (1 if head_fp8 and last_v in stages else 0)
+        linears = 4 * layers + (1 if head_fp8 and last_v in stages else 0) if quantized else 0
         for group, nbytes in fp8_amax_bytes(cfg, layout, linears, mb).items():
             out[group] += nbytes
     elif cfg.zero.stage == 0:

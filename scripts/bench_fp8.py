@@ -38,10 +38,16 @@ SAMPLE = ["data.paths=[" + str(ROOT / "data" / "sample" / "sample_text_document"
           "data.tokenizer=" + str(ROOT / "data" / "sample" / "tokenizer.model")]
 
 
+def precision_overrides(spec: str) -> list:
+    """``bf16`` -> precision=bf16; ``fp8:fp16`` -> precision=fp8 fp8.gemm=fp16 (FP8-LM with a V100's GEMMs)."""
+    precision, _, gemm = spec.partition(":")
+    return [f"precision={precision}"] + ([f"fp8.gemm={gemm}"] if gemm else [])
+
+
 def run(preset: str, precision: str, recompute: str, args, out: Path) -> dict:
-    run_dir = out / f"{Path(preset).stem}-{precision}-{recompute}"
+    run_dir = out / f"{Path(preset).stem}-{precision.replace(':', '-gemm-')}-{recompute}"
     cmd = [sys.executable, str(ROOT / "train.py"), "--config", args.preset_files[preset],
-           f"precision={precision}", f"model.activation_checkpointing='{recompute}'", *SAMPLE,
+           *precision_overrides(precision), f"model.activation_checkpointing='{recompute}'", *SAMPLE,
            f"train.max_steps={args.steps}", f"train.micro_batch_size={args.micro_batch}",
            f"train.global_batch_size={args.micro_batch * args.accum}", "logging.interval=2",
            "train.eval_interval=0", "checkpoint.interval=0", "checkpoint.save_at_exit=false",
@@ -80,7 +86,9 @@ def peer(preset: str, args, compiled: bool, float8: bool) -> dict:
 def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--presets", nargs="+", default=["gpt_350m", "gpt_1.3b"])
-    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"])
+    ap.add_argument("--precisions", nargs="+", default=["bf16", "fp8"],
+                    help="rows: a precision, or fp8:<gemm> for precision=fp8 with fp8.gemm=<gemm> (fp8:bf16 and "
+                         "fp8:fp16 time the A100 and V100 paths on a Hopper GPU)")
     ap.add_argument("--recompute", nargs="+", default=["selective"], choices=["off", "selective", "full"],
                     help="model.activation_checkpointing settings (a row each)")
     ap.add_argument("--steps", type=int, default=30)
@@ -102,6 +110,13 @@ def main(argv=None) -> int:
         raise InputError(f"--steps {args.steps} leaves no timed step after --warmup {args.warmup}")
     for name in args.presets:  # the overrides apply to every trainer row: known keys, right types
         checked_config(args.preset_files[name], args.overrides, "--presets")
+    from config import CHOICES
+
+    for spec in args.precisions:
+        precision, colon, gemm = spec.partition(":")
+        if precision not in CHOICES["precision"] or colon and (precision != "fp8" or gemm not in CHOICES["fp8.gemm"]):
+            raise InputError(f"--precisions {spec}: expected one of {list(CHOICES['precision'])} or fp8:<gemm> with "
+                             f"<gemm> one of {list(CHOICES['fp8.gemm'])}")
     try:
         import torch
 

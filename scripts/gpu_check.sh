@@ -18,6 +18,8 @@
 #      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
 #   4b. the fp8 row again with fp8.cast_transpose=true (kernels/fp8_transpose.py instead of inductor's casts).
 #   4c. the fp8 row again with fp8.scaling=current (whether current scaling should be the default).
+#   4d. FP8-LM's 16-bit GEMM paths forced on this GPU (fp8.gemm=bf16: an A100's, fp8.gemm=fp16: a V100's, under the
+#      loss scaler) beside bf16, fp16 and fp8 GEMMs: what the A100 / V100 path costs against 16-bit training.
 #   5. where the time goes: python scripts/profile_step.py for gpt_1.3b in bf16 and fp8 (compiled, 4 x 4), with the
 #      40 kernels that take the most device time by full name.
 #   6. the fp8 step's memory peak by allocation site (profile_step.py --memory-peak: the allocator's history).
@@ -130,6 +132,11 @@ section "4c. speed: fp8 with current scaling (fp8.scaling=current; the default i
 # shellcheck disable=SC2086
 run 4c 300 bench_fp8_current.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
     --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --precisions fp8 --no-peers fp8.scaling=current
+
+section "4d. speed: FP8-LM with 16-bit GEMMs (fp8.gemm=bf16 / fp16, the A100 and V100 paths) beside bf16 and fp16"
+# shellcheck disable=SC2086
+run 4d 480 bench_fp8_gemm.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
+    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --precisions bf16 fp16 fp8 fp8:bf16 fp8:fp16 --no-peers
 
 section "5. where one step's time goes"
 for prec in $PROFILE; do

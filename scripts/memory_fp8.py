@@ -16,6 +16,8 @@ over the DP ranks (what the job holds per parameter).
          ZeRO-1 shards those by whole tensors and keeps an E4M3 copy of the weights for the next
          forward (1 a parameter on every rank; its own column, as bf16 ZeRO-1's bf16 weights are
          its "parameters")
+  fp8 with bf16 / fp16 GEMMs (fp8.gemm: an A100's and a V100's path) hold the same model state: only the
+         GEMMs' operands differ (the 16-bit working weights instead of their E4M3 casts)
 The transient working buffers (bf16 weights materialised per module, gradient accumulation) are
 reported separately as the peak, not in the model state.
 """
@@ -38,17 +40,27 @@ STATE = ("parameters", "gradients", "optimizer")
 
 def worker(overrides, steps):
     from tests.parallel_utils import batch_fn, build_engine, tiny_config
+    from training.memory import model_state_bytes
 
     cfg = tiny_config(*MODEL, *overrides)
     engine = build_engine(cfg)
     for step in range(steps):
         engine.train_step(batch_fn(engine, step))
     phi = sum(p.numel() for p in engine.params.values())  # this rank's share of the model (TP/PP split)
-    return {"memory": engine.dp.memory(), "phi": phi}
+    estimated = model_state_bytes(engine.cfg, engine.mesh.layout, engine.mesh.rank)
+    return {"memory": engine.dp.memory(), "phi": phi, "estimated": estimated}
+
+
+PRECISIONS = {  # row label: its overrides
+    "bf16": ["precision=bf16"],
+    "fp8": ["precision=fp8", "fp8.gemm=fp8"],
+    "fp8, bf16 GEMMs (A100)": ["precision=fp8", "fp8.gemm=bf16"],
+    "fp8, fp16 GEMMs (V100)": ["precision=fp8", "fp8.gemm=fp16"],
+}
 
 
 def row_overrides(precision: str, world: int, stage: int, extra: list) -> list:
-    return [f"precision={precision}", f"zero.stage={stage}", f"train.global_batch_size={2 * world}", *extra]
+    return [*PRECISIONS[precision], f"zero.stage={stage}", f"train.global_batch_size={2 * world}", *extra]
 
 
 def main(argv=None) -> int:
@@ -59,7 +71,7 @@ def main(argv=None) -> int:
     args = ap.parse_args(argv)
     at_least(args.world, 1, "--world")
     at_least(args.steps, 1, "--steps")
-    rows = [("bf16", 1, 0), ("fp8", 1, 0), ("bf16", args.world, 1), ("fp8", args.world, 1)]
+    rows = [(p, world, stage) for world, stage in ((1, 0), (args.world, 1)) for p in PRECISIONS]
     load_config(None, [*MODEL, *args.overrides])  # bad overrides (syntax, keys, types) before torch: one line
     from tests.dist_harness import run_world
     from tests.parallel_utils import BASE
@@ -70,17 +82,20 @@ def main(argv=None) -> int:
         make_layout(cfg, world, world)
     print(f"tiny model, measured after {args.steps} steps; bytes per parameter of the model (Phi)\n")
     print("| precision | DP ranks | ZeRO | parameters (master) | gradients | optimizer | model state / rank (max) "
-          "| sum over ranks | E4M3 weight copy / rank | working peak / rank |")
-    print("|---|---|---|---|---|---|---|---|---|---|")
+          "| estimated (training/memory.py) | sum over ranks | E4M3 weight copy / rank | working peak / rank |")
+    print("|---|---|---|---|---|---|---|---|---|---|---|")
     for precision, world, stage in rows:
         over = row_overrides(precision, world, stage, args.overrides)
         out = run_world(worker, world, over, args.steps, timeout=600)
         phi = out[0]["phi"]  # pure DP: every rank's model is the whole model
         per = [{k: r["memory"][k] / phi for k in r["memory"]} for r in out]
-        worst = max(per, key=lambda m: sum(m[k] for k in STATE))
+        worst_rank = max(range(len(per)), key=lambda r: sum(per[r][k] for k in STATE))
+        worst = per[worst_rank]
+        estimated = sum(out[worst_rank]["estimated"][k] for k in STATE) / phi
         total = sum(sum(m[k] for k in STATE) for m in per)
         print(f"| {precision} | {world} | {stage} | " + " | ".join(f"{worst[k]:.2f}" for k in STATE)
-              + f" | {sum(worst[k] for k in STATE):.2f} | {total:.2f} | {worst.get('fp8_weights', 0):.2f} "
+              + f" | {sum(worst[k] for k in STATE):.2f} | {estimated:.2f} | {total:.2f} | "
+                f"{worst.get('fp8_weights', 0):.2f} "
                 f"| {worst['working_peak']:.2f} |", flush=True)
     return 0
 

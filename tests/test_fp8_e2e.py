@@ -7,7 +7,11 @@
 * bytes: counted = analytic (``parallel/volume.py``) per group; FP8 gradient reduction = half of bf16's,
   FP8 SP all-gathers = half, FP8 stage-3 weight gathers = half (+ the per-tensor scales);
 * memory: measured model-state bytes per parameter, 6 (+ scales) on one rank against 16;
-* hardware: refused by compute capability (never by name) with the alternatives named.
+* GEMM paths (``fp8.gemm``): every test here runs with FP8 GEMMs and with the 16-bit GEMMs of GPUs without FP8
+  tensor cores where it applies: all three (fp8, bf16, fp16) where the GEMM's dtype changes what is measured
+  (tracking, TP bytes), fp8 and fp16 where only the data-parallel strategy is (fp16 is the 16-bit path that differs
+  there: fp16 working weights, the loss scaler, no FP8 scaling state; bf16 GEMMs leave the strategy as fp8's).
+  The device rule and the fp16 loss scaler: ``tests/test_fp8_gemm.py``.
 """
 import pytest
 import torch
@@ -17,6 +21,10 @@ from tests.parallel_utils import batch_fn, build_engine, checkpoint_worker, tiny
 from tests.test_comm_volume import assert_counted_equals_analytic
 
 FP8 = "precision=fp8"
+GEMMS = ["fp8", "bf16", "fp16"]
+"""fp8.gemm settings of the tests where the GEMM's dtype matters."""
+DP_GEMMS = ["fp8", "fp16"]
+"""... and of those where only the data-parallel strategy does."""
 TRACK_RTOL = 0.03
 STEPS = 6
 LAYOUTS = {
@@ -55,16 +63,17 @@ def run(world, overrides, steps=STEPS):
     return _cache[key]
 
 
+@pytest.mark.parametrize("gemm", GEMMS)
 @pytest.mark.parametrize("name", list(LAYOUTS))
-def test_fp8_tracks_bf16_and_counts_its_bytes(name):
+def test_fp8_tracks_bf16_and_counts_its_bytes(name, gemm):
     world, overrides = LAYOUTS[name]
     ref = run(world, overrides + ["precision=bf16"])
-    out = run(world, overrides + [FP8])
+    out = run(world, overrides + [FP8, f"fp8.gemm={gemm}"])
     worst = max(abs(a - b) / b for a, b in zip(out[0]["losses"], ref[0]["losses"]))
     assert worst <= TRACK_RTOL, (out[0]["losses"], ref[0]["losses"])
     assert out[0]["losses"][-1] < out[0]["losses"][0] - 0.1, "fp8 must learn"
     assert all(r["losses"] == out[0]["losses"] for r in out), "every rank reports the same global loss"
-    assert_counted_equals_analytic(out, overrides + [FP8], world)
+    assert_counted_equals_analytic(out, overrides + [FP8, f"fp8.gemm={gemm}"], world)
     for r in out:  # the estimator knows where every FP8 state byte lives (whole-tensor owners included)
         for k in ("parameters", "gradients", "optimizer", "fp8_weights"):
             assert r["memory"][k] == r["estimated"][k], (k, r["memory"], r["estimated"])
@@ -72,40 +81,48 @@ def test_fp8_tracks_bf16_and_counts_its_bytes(name):
         assert r["held"] == r["held_estimate"], r
 
 
-@pytest.mark.parametrize("accumulation", ["bf16", "fp32"])
-def test_gradient_accumulation_dtype_sets_the_working_bytes_the_estimator_counts(accumulation):
-    """fp8.grad_accumulation: micro-batch weight gradients add up in bf16 (the default) or fp32 buffers; the working
-    peak (every unit's sums live from the first backward to the last micro-batch's reduction) is what the estimator
-    says, byte for byte, and it is 2 bytes a parameter less in bf16. Both train."""
-    over = [FP8, "train.global_batch_size=16", "train.micro_batch_size=4"]
+@pytest.mark.parametrize("gemm", DP_GEMMS)
+@pytest.mark.parametrize("accumulation", ["compute", "fp32"])
+def test_gradient_accumulation_dtype_sets_the_working_bytes_the_estimator_counts(accumulation, gemm):
+    """fp8.grad_accumulation: micro-batch weight gradients add up in the compute dtype's 16 bits (the default: bf16,
+    fp16 with fp16 GEMMs) or fp32 buffers; the working peak (every unit's sums live from the first backward to the
+    last micro-batch's reduction) is what the estimator says, byte for byte, and it is 2 bytes a parameter less in
+    16 bits. Both train."""
+    over = [FP8, "train.global_batch_size=16", "train.micro_batch_size=4", f"fp8.gemm={gemm}"]
     r = run(1, over + [f"fp8.grad_accumulation={accumulation}"])[0]
-    other = run(1, over + [f"fp8.grad_accumulation={'fp32' if accumulation == 'bf16' else 'bf16'}"])[0]
+    other = run(1, over + [f"fp8.grad_accumulation={'fp32' if accumulation == 'compute' else 'compute'}"])[0]
     assert r["memory"]["working_peak"] == r["estimated"]["working_peak"], (r["memory"], r["estimated"])
     saved = (1 if accumulation == "fp32" else -1) * (r["memory"]["working_peak"] - other["memory"]["working_peak"])
     assert saved == 2 * r["phi"], (saved, r["phi"])
     assert r["losses"][-1] < r["losses"][0] - 0.1, r["losses"]
-    # the sums differ by bf16's rounding only: the same run within a hair
+    # the sums differ by a 16-bit rounding only: the same run within a hair
     worst = max(abs(a - b) / b for a, b in zip(r["losses"], other["losses"]))
     assert worst <= 2e-3, (r["losses"], other["losses"])
 
 
-def test_fp8_gradient_reduction_is_half_of_bf16():
+@pytest.mark.parametrize("gemm", DP_GEMMS)
+def test_fp8_gradient_reduction_is_half_of_bf16(gemm):
     """ZeRO-1 over 2 ranks, whole tensors in both: the FP8 all-to-all moves half the bf16 reduce-scatter's bytes,
     and the shared-scale agreement adds one fp32 min per tensor."""
     over = ["zero.stage=1", "zero.partition=whole_tensor"]
     bf16 = run(2, over + ["precision=bf16"])[0]["raw"]
-    fp8 = run(2, over + [FP8])[0]["raw"]
+    fp8 = run(2, over + [FP8, f"fp8.gemm={gemm}"])[0]["raw"]
     assert fp8["all_to_all/dp"] * 2 == bf16["reduce_scatter/dp"]
     assert "reduce_scatter/dp" not in fp8
 
 
-def test_fp8_sequence_parallel_gathers_are_half():
+@pytest.mark.parametrize("gemm", GEMMS)
+def test_fp8_sequence_parallel_gathers_are_half(gemm):
     """tp2 + SP: the all-gathers in front of the FP8 linears (QKV and MLP-up inputs, forward) move E4M3 bytes:
-    bf16 all-gather bytes minus fp8's = exactly half of those gathers' bf16 bytes."""
+    bf16 all-gather bytes minus fp8's = exactly half of those gathers' bf16 bytes. With 16-bit GEMMs the
+    activations are not quantized: the gathers move the 16-bit bytes of bf16's."""
     world, overrides = LAYOUTS["tp2_sp_dp2_zero1"]
     cfg = tiny_config(*overrides)
     bf16 = run(world, overrides + ["precision=bf16"])[0]["raw"]["all_gather/tp"]
-    fp8 = run(world, overrides + [FP8])[0]["raw"]["all_gather/tp"]
+    fp8 = run(world, overrides + [FP8, f"fp8.gemm={gemm}"])[0]["raw"]["all_gather/tp"]
+    if gemm != "fp8":
+        assert fp8 == bf16
+        return
     m, t = cfg.model, 2
     slice_bf16 = m.seq_len // t * cfg.train.micro_batch_size * m.d_model * 2  # one rank's piece, bf16 bytes
     microbatches = cfg.train.global_batch_size // cfg.train.micro_batch_size // 2
@@ -113,10 +130,11 @@ def test_fp8_sequence_parallel_gathers_are_half():
     assert bf16 - fp8 == fp8_gathers * (t - 1) * slice_bf16 // 2
 
 
-def test_fp8_stage3_weight_gathers_are_half():
+@pytest.mark.parametrize("gemm", DP_GEMMS)
+def test_fp8_stage3_weight_gathers_are_half(gemm):
     over = ["zero.stage=3", "zero.partition=whole_tensor"]
     bf16 = run(2, over + ["precision=bf16"])[0]["raw"]["all_gather/dp"]
-    fp8 = run(2, over + [FP8])[0]["raw"]["all_gather/dp"]
+    fp8 = run(2, over + [FP8, f"fp8.gemm={gemm}"])[0]["raw"]["all_gather/dp"]
     cfg = tiny_config(*over)
     tensors_per_layer = 6  # qkv, proj, up, down, two norms
     microbatches = cfg.train.global_batch_size // cfg.train.micro_batch_size // 2
@@ -127,11 +145,12 @@ def test_fp8_stage3_weight_gathers_are_half():
     assert fp8 == bf16 // 2 + scales
 
 
-def test_fp8_model_state_is_6_bytes_a_parameter():
+@pytest.mark.parametrize("gemm", DP_GEMMS)
+def test_fp8_model_state_is_6_bytes_a_parameter(gemm):
     """One rank: master FP16 (2) + FP8 gradient (1) + E4M3 m (1) + FP16 v (2), scales on top, vs bf16's 16.
     ZeRO-1 on 4 ranks: each rank holds the E4M3 weights (1) and its whole tensors' 6; summed over ranks the
     sharded part is 6 a parameter again."""
-    fp8 = run(1, [FP8])[0]
+    fp8 = run(1, [FP8, f"fp8.gemm={gemm}"])[0]
     bf16 = run(1, ["precision=bf16"])[0]
 
     def state(r):
@@ -140,18 +159,20 @@ def test_fp8_model_state_is_6_bytes_a_parameter():
     assert state(bf16) == 16
     assert 6.0 <= state(fp8) <= 6.2
     assert fp8["memory"]["fp8_weights"] <= 4 * 64, "stage 0 keeps no E4M3 weight copy (only unused scales)"
-    out = run_world(worker, 4, ["zero.stage=1", FP8, "train.global_batch_size=8"], 1)
+    out = run_world(worker, 4, ["zero.stage=1", FP8, f"fp8.gemm={gemm}", "train.global_batch_size=8"], 1)
     phi = out[0]["phi"]
     assert 6.0 <= sum(state(r) for r in out) <= 6.2  # each rank its whole tensors' share: 6 a parameter in all
     assert all(state(r) < 6.2 / 4 * 1.3 for r in out), [state(r) for r in out]  # and roughly a quarter each
     assert all(phi <= r["memory"]["fp8_weights"] <= phi * 1.01 for r in out)  # + the E4M3 weights, 1 a parameter
 
 
+@pytest.mark.parametrize("gemm", DP_GEMMS)
 @pytest.mark.parametrize("world,overrides", [(1, []), (2, ["zero.stage=3"])])
-def test_fp8_resume_repeats_the_uninterrupted_losses(tmp_path, world, overrides):
+def test_fp8_resume_repeats_the_uninterrupted_losses(tmp_path, world, overrides, gemm):
     """mu doubles after every clean step (interval 1) and halves on overflow, delayed scaling keeps 4 steps of
-    history: a resume that lost mu, the histories, the scales or the FP8 optimizer state would differ."""
-    over = [FP8, "fp8.mu_growth_interval=1", "fp8.amax_history_len=4", *overrides]
+    history: a resume that lost mu, the histories, the scales or the FP8 optimizer state would differ (fp16
+    GEMMs: the loss scaler's state too, and no FP8 scaling state at all)."""
+    over = [FP8, f"fp8.gemm={gemm}", "fp8.mu_growth_interval=1", "fp8.amax_history_len=4", *overrides]
     straight = run_world(checkpoint_worker, world, over, "none", 6, str(tmp_path / "a"))
     run_world(checkpoint_worker, world, over, "fresh", 3, str(tmp_path / "b"))
     resumed = run_world(checkpoint_worker, world, over, "resume", 6, str(tmp_path / "b"))
@@ -161,40 +182,14 @@ def test_fp8_resume_repeats_the_uninterrupted_losses(tmp_path, world, overrides)
     assert len(set(mus)) > 1, f"mu never moved: {mus}"
 
 
-def test_mu_halves_while_the_reduced_gradient_overflows():
+@pytest.mark.parametrize("gemm", DP_GEMMS)
+def test_mu_halves_while_the_reduced_gradient_overflows(gemm):
     """mu starting at 2**20 on 2 ranks: the reduced FP8 gradient saturates, so mu halves every step, and the
     metrics record says so."""
-    recs = run(2, [FP8, "fp8.mu_initial=1048576"], 4)[0]["fp8"]
+    recs = run(2, [FP8, f"fp8.gemm={gemm}", "fp8.mu_initial=1048576"], 4)[0]["fp8"]
     assert [r["mu"] for r in recs] == [2.0 ** (20 - k) for k in range(4)]
     assert all(r["overflow_fraction"] > 1e-5 for r in recs)
     assert recs[-1]["mu_changes"] == 4
-
-
-def test_fp8_refuses_gpus_without_fp8_by_capability(monkeypatch):
-    from config import ConfigError, Fp8Config
-    from fp8.device import check_fp8_device
-
-    cuda = torch.device("cuda", 0)
-    monkeypatch.setattr(torch.cuda, "get_device_name", lambda d=None: "NVIDIA H100 80GB HBM3 (renamed)")
-    for cap in [(7, 0), (8, 0), (8, 6)]:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
-        with pytest.raises(ConfigError, match=rf"{cap[0]}\.{cap[1]}.*precision=bf16.*fp8\.emulate=true"):
-            check_fp8_device(cuda, Fp8Config())
-        check_fp8_device(cuda, Fp8Config(emulate=True))  # asked for emulation: allowed
-    for cap in [(8, 9), (9, 0), (10, 0)]:
-        monkeypatch.setattr(torch.cuda, "get_device_capability", lambda d=None, cap=cap: cap)
-        check_fp8_device(cuda, Fp8Config())
-    check_fp8_device(torch.device("cpu"), Fp8Config())
-
-
-def test_transformer_engine_backend_is_refused_plainly():
-    """fp8.backend=te is not implemented: the run stops at start-up naming the working backend, on CPU (TE
-    cannot be installed there) and on an FP8 GPU alike."""
-    from config import ConfigError, Fp8Config
-    from fp8.device import check_fp8_device
-
-    with pytest.raises(ConfigError, match=r"fp8\.backend=te.*fp8\.backend=torch"):
-        check_fp8_device(torch.device("cpu"), Fp8Config(backend="te"))
 
 
 # -- hand-edited checkpoints and precision changes on resume (issue 17) ---------------------------------------------
@@ -314,32 +309,51 @@ def bf16_checkpoint(tmp_path_factory):
     return ckpt
 
 
+@pytest.fixture(scope="module")
+def fp8_bf16_gemm_checkpoint(tmp_path_factory):
+    """An fp8 run with bf16 GEMMs (an A100's path: no FP8 scaling state) saved at step 3."""
+    ckpt = tmp_path_factory.mktemp("fp8_bf16_gemm_ckpt")
+    run_world(checkpoint_worker, 1, [FP8, "fp8.gemm=bf16"], "fresh", 3, str(ckpt))
+    return ckpt
+
+
+GEMM_CHANGE = "resuming a precision=fp8 checkpoint with fp8.gemm={} as fp8.gemm={}: {}; mu and the FP8 optimizer "\
+              "state carry on"
+
+
 @pytest.mark.parametrize("saved,resumed,line", [
-    ("fp8", "precision=bf16", "resuming a precision=fp8 checkpoint as precision=bf16: its FP8 scaling state "
-                              "(scales, amax histories, mu) is dropped"),
-    ("bf16", FP8, "resuming a precision=bf16 checkpoint as precision=fp8: FP8 scales, amax histories and mu start "
-                  "fresh"),
-    ("fp8", FP8, None)], ids=["fp8_as_bf16", "bf16_as_fp8", "fp8_as_fp8"])
-def test_resuming_in_another_precision_says_so_and_continues(fp8_checkpoint, bf16_checkpoint, tmp_path, saved,
-                                                             resumed, line):
+    ("fp8", ["precision=bf16"], "resuming a precision=fp8 checkpoint as precision=bf16: its FP8 scaling state "
+                                "(scales, amax histories, mu) is dropped"),
+    ("bf16", [FP8], "resuming a precision=bf16 checkpoint as precision=fp8: FP8 scales, amax histories and mu start "
+                    "fresh"),
+    ("fp8", [FP8], None),
+    ("fp8", [FP8, "fp8.gemm=bf16"], GEMM_CHANGE.format("fp8", "bf16", "its FP8 scales and amax histories are dropped")),
+    ("fp8_bf16_gemm", [FP8], GEMM_CHANGE.format("bf16", "fp8", "FP8 scales and amax histories start fresh")),
+    ("fp8_bf16_gemm", [FP8, "fp8.gemm=fp16"], None)],
+    ids=["fp8_as_bf16", "bf16_as_fp8", "fp8_as_fp8", "fp8_gemm_as_bf16_gemm", "bf16_gemm_as_fp8_gemm",
+         "bf16_gemm_as_fp16_gemm"])
+def test_resuming_in_another_precision_says_so_and_continues(request, tmp_path, saved, resumed, line):
+    """A resume into another precision or GEMM path (an A100 job moved to an H100) continues, saying on one line
+    what happens to the FP8 scaling state; mu and the FP8 optimizer state carry over between GEMM paths."""
     import math
     import shutil
 
-    shutil.copytree(fp8_checkpoint if saved == "fp8" else bf16_checkpoint, tmp_path / "ckpt")
-    out = run_world(resume_worker, 1, [resumed, "fp8.amax_history_len=4"], str(tmp_path / "ckpt"), 5)[0]
+    shutil.copytree(request.getfixturevalue(f"{saved}_checkpoint"), tmp_path / "ckpt")
+    out = run_world(resume_worker, 1, [*resumed, "fp8.amax_history_len=4"], str(tmp_path / "ckpt"), 5)[0]
     assert "error" not in out, out
     said = [s for s in out["stdout"].splitlines() if "resuming a precision=" in s]
     assert said == ([f"[checkpoint] {line} (step_00000003)"] if line else []), out["stdout"]
     assert sorted(out["losses"]) == [3, 4] and all(math.isfinite(v) for v in out["losses"].values())
 
 
+@pytest.mark.parametrize("gemm", DP_GEMMS)
 @pytest.mark.parametrize("world,overrides", [(1, []), (2, ["zero.stage=1"]),
                                              (4, ["zero.stage=3", "zero.hpz_size=2", "parallel.ranks_per_node=4"])],
                          ids=["single_stage0", "dp2_stage1", "dp4_stage3_hpz2"])
-def test_packed_unit_updates_give_the_per_tensor_bits(world, overrides):
+def test_packed_unit_updates_give_the_per_tensor_bits(world, overrides, gemm):
     """FP8-LM's whole-unit updates (AdamW, norm, weight dequantization: what CUDA runs, FP8_PACKED=1) give the
     per-tensor loops' losses bit for bit (gradient clipping off: the norm's summation order differs)."""
-    over = [FP8, *overrides]
+    over = [FP8, f"fp8.gemm={gemm}", *overrides]
     per_tensor = run_world(worker, world, over, 4, timeout=300, env={"FP8_PACKED": "0"})
     packed = run_world(worker, world, over, 4, timeout=300, env={"FP8_PACKED": "1"})
     for a, b in zip(per_tensor, packed):

@@ -107,7 +107,9 @@ def _write_json(path: Path, obj: Any) -> None:
 
 class Checkpointer:
     def __init__(self, cfg: Config, directory: str, engine: Engine):
-        self.cfg, self.engine, self.mesh = cfg, engine, engine.mesh
+        # the engine's config where it resolved one (precision=fp8: fp8.gemm by the device), for meta.json
+        self.cfg = engine.cfg if isinstance(getattr(engine, "cfg", None), Config) else cfg
+        self.engine, self.mesh = engine, engine.mesh
         self.dir = Path(directory)
         self.world = self.mesh.world
         self.data_fingerprint: Optional[Dict[str, Any]] = None
@@ -139,6 +141,10 @@ class Checkpointer:
                     state[f"optim.{key}.weight_reference"] = entry["weight_reference"]
         return state
 
+    def _has_scaling(self) -> bool:
+        """Whether this run has FP8 scaling states (its linears cast their operands to FP8: not with 16-bit GEMMs)."""
+        return self.engine.fp8_scaling is not None and bool(self.engine.fp8_scaling.states)
+
     def _layout(self) -> Dict[str, int]:
         layout = self.mesh.layout
         return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
@@ -151,6 +157,7 @@ class Checkpointer:
                 "model": model_record(self.cfg.model),
                 "layout": self._layout(), "data": self.data_fingerprint,
                 "fp8": self.engine.dp.fp8_state() if self.engine.fp8_scaling is not None else None,
+                "fp8_scaling": self._has_scaling(),
                 "qwd_reference": getattr(self.engine.dp, "reference_kind", lambda: None)(),
                 "time": time.time(), "torch": torch.__version__}
 
@@ -307,20 +314,24 @@ class Checkpointer:
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
         run_fp8 = self.engine.fp8_scaling is not None
+        # scales and amax histories exist where the linears cast to FP8 (not with 16-bit GEMMs: fp8.gemm); each
+        # side's own, so a GEMM path change keeps mu and the optimizer state and starts or drops the scales
+        saved_scaling = bool(meta.get("fp8_scaling", saved_fp8))  # (older checkpoints: every fp8 one had them)
+        run_scaling = self._has_scaling()
         # qWD's reconstructed weights, where the checkpoint has them (a qWD run's); otherwise the next gather is exact
         zero = (meta.get("config") or {}).get("zero") or {}
         saved_reference = bool(zero.get("weight_delta")) and with_optimizer
-        tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_fp8,
+        tensors = self._tensors(for_load=True, with_optimizer=with_optimizer, fp8=saved_scaling,
                                 reference=saved_reference)
         loaded_reference = any(k.endswith(".weight_reference") for k in tensors)
         load_dcp(tensors, path)
         problem, rng = None, None
         try:  # every check before anything is applied, then all ranks agree (a lone failure would hang the rest)
-            if saved_fp8 and run_fp8:
+            if saved_scaling and run_scaling:
                 self.engine.fp8_scaling.load_state_dict(
                     {k[len("fp8."):]: v for k, v in tensors.items() if k.startswith("fp8.")})
-                if with_optimizer:
-                    self.engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
+            if saved_fp8 and run_fp8 and with_optimizer:
+                self.engine.dp.load_fp8_state(meta["fp8"])  # mu, its clean-step count and change count
             check_rng_files(path, self.mesh.rank, self.world.size)
             rng_file = path / f"rng_rank{self.mesh.rank:05d}.pt"
             if with_optimizer and meta["layout"] == self._layout() and rng_file.is_file():
@@ -345,6 +356,16 @@ class Checkpointer:
         """One line on rank 0 when a resume changes the precision (what happens to the FP8 scaling state)."""
         then = (meta.get("config") or {}).get("precision") or ("fp8" if meta.get("fp8") is not None else None)
         now = self.cfg.precision
+        if self.mesh.rank == 0 and then == now == "fp8":
+            saved = bool(meta.get("fp8_scaling", True))
+            gemm_then = ((meta.get("config") or {}).get("fp8") or {}).get("gemm", "fp8")
+            if saved != self._has_scaling():
+                what = ("its FP8 scales and amax histories are dropped" if saved else
+                        "FP8 scales and amax histories start fresh")
+                print(f"[checkpoint] resuming a precision=fp8 checkpoint with fp8.gemm={gemm_then} as fp8.gemm="
+                      f"{self.cfg.fp8.gemm}: {what}; mu and the FP8 optimizer state carry on ({path.name})",
+                      flush=True)
+            return
         if self.mesh.rank != 0 or then is None or then == now:
             return
         what = ""

@@ -14,12 +14,13 @@ finish_grads, norm_terms, clip and step; the engine knows nothing of shards.
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from config import Config
-from fp8.device import check_fp8_device
+from config import Config, compute_precision, fp8_operands
+from fp8.device import resolve_gemm, startup_line
 from fp8.scaling import Fp8Scaling
 from fp8.zero import Fp8DataParallel
 from model.compile import compile_chunks, enabled as compile_enabled
@@ -41,14 +42,20 @@ BatchFn = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 
 class Engine:
     def __init__(self, cfg: Config, mesh: Mesh):
+        fp8 = cfg.precision == "fp8"
+        self.gemm_line: Optional[str] = None
+        """precision=fp8: which GEMMs run and why (``fp8/device.py``), for the start-up line."""
+        if fp8:  # fp8.gemm resolved by the device's capability; self.cfg holds the resolved value
+            gemm, why = resolve_gemm(mesh.device, cfg.fp8)
+            cfg = dataclasses.replace(cfg, fp8=dataclasses.replace(cfg.fp8, gemm=gemm))
+            self.gemm_line = startup_line(cfg.fp8, why)
         self.cfg, self.mesh = cfg, mesh
         m, layout = cfg.model, mesh.layout
         self.rng = RNGTracker(mesh.device, cfg.train.seed, mesh.pp_rank, mesh.dp_rank, mesh.tp_rank)
-        fp8 = cfg.precision == "fp8"
-        if fp8:
-            check_fp8_device(mesh.device, cfg.fp8)
         replicas = kv_replicas(m.kv_heads, layout.tp)
-        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if fp8 else None,
+        # FP8 linears where their operands are cast to FP8; with 16-bit GEMMs the linears are the 16-bit ones
+        quantized = fp8 and fp8_operands(cfg.fp8)
+        ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if quantized else None,
                         kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
@@ -56,7 +63,7 @@ class Engine:
         self.compiled = compile_enabled(cfg, mesh.device)
         self._compile_pending = self.compiled  # block forwards and the loss: see _compile_when_ready
         self.fp8_scaling: Optional[Fp8Scaling] = None
-        if fp8:  # FP8-LM: scaling state of the FP8 GEMMs, and the FP8 data-parallel strategy (fp8/)
+        if fp8:  # FP8-LM: scaling state of the FP8 GEMMs (none with 16-bit GEMMs), and the FP8 data-parallel strategy
             self.fp8_scaling = Fp8Scaling(cfg.fp8, mesh.tp, mesh.dp)
             self.fp8_scaling.attach(self.chunks)
             self.dp = Fp8DataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
@@ -67,8 +74,8 @@ class Engine:
         seq = m.seq_len // layout.tp if mesh.sequence_parallel else m.seq_len
         self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
         self.lr_schedule = LRSchedule(cfg.train)
-        self.scaler = LossScaler(cfg.loss_scale, enabled=cfg.precision == "fp16")
-        self.compute_dtype = COMPUTE_DTYPES[cfg.precision]
+        self.compute_dtype = COMPUTE_DTYPES[compute_precision(cfg)]
+        self.scaler = LossScaler(cfg.loss_scale, enabled=self.compute_dtype == torch.float16)
         self.step = 0
         self.skipped_steps = 0
         self._consecutive_skips = 0

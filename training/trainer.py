@@ -23,7 +23,7 @@ import numpy as np
 import torch
 import torch.distributed as dist
 
-from config import Config, to_yaml, validate_config
+from config import Config, gemm_precision, to_yaml, validate_config
 from data.gpt_dataset import DATA_ORDER, Sampleable, build_datasets, get_batch
 from data.indexed import DataError, fingerprint
 from data.tokenizer import load_tokenizer
@@ -245,6 +245,9 @@ def _check_same_data(meta: Dict[str, Any], now: Dict[str, Any], cfg: Config, pat
 def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, Any]:
     layout, main = mesh.layout, mesh.rank == 0
     engine = Engine(cfg, mesh)
+    cfg = engine.cfg  # precision=fp8: fp8.gemm resolved by the device (what config.yaml and checkpoints record)
+    if main and engine.gemm_line:
+        print(engine.gemm_line, flush=True)
     ckpt = Checkpointer(cfg, str(ckpt_dir), engine)
     ckpt.data_fingerprint = comm.broadcast_object(data_fingerprint(cfg) if main else None, 0, mesh.world)
     start, consumed, seed_names = _resume(cfg, ckpt, mesh)
@@ -269,7 +272,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
     t, g = cfg.train, cfg.train.global_batch_size
     tokens_per_step = g * cfg.model.seq_len
     flops_token = flops_per_token(cfg.model)
-    peak = peak_tflops(device, cfg.precision)
+    peak = peak_tflops(device, gemm_precision(cfg))
     began = time.monotonic()
     window_time, window_steps, last_saved = 0.0, 0, engine.step if start else -1
     state_bytes = None
