@@ -27,8 +27,10 @@ FP8 training step took 158 s. ``GPT_CPU_FP8_GEMM=native``
 calls ``_scaled_mm`` on CPU as well (``fp32`` or ``auto``, the default: the fp32 route). CUDA always
 runs ``_scaled_mm``.
 
-``emulate=True``: the same quantization, but the operands are dequantized to the compute dtype and
-multiplied there (``F.linear`` / ``matmul``): FP8 numerics on GPUs without FP8 tensor cores.
+``emulate=True``: the same quantization, but the operands are dequantized to the compute dtype (bf16, or fp16
+with ``fp8.gemm=fp16``) and multiplied there: FP8 numerics around the 16-bit GEMMs of GPUs without FP8 tensor
+cores. Without emulation such GPUs run FP8-LM with plain 16-bit linears instead (``fp8.gemm``,
+``fp8/device.py``): this module is then not used.
 
 ``_scaled_mm`` requirements: the CPU kernel accepts any shape and layout; CUDA needs compute
 capability >= 8.9, a row-major first and a column-major second operand (always passed so here) and
@@ -131,12 +133,12 @@ def _check_device(x: torch.Tensor, tokens: int, in_features: int, out_features: 
     major, minor = _capability(x.device.index if x.device.index is not None else torch.cuda.current_device())
     if (major, minor) < (8, 9):
         raise RuntimeError(f"FP8 GEMMs (torch._scaled_mm) need compute capability >= 8.9 (Ada, Hopper); this GPU "
-                           f"has {major}.{minor}: set fp8.emulate=true for FP8 numerics on bf16 GEMMs")
+                           f"has {major}.{minor}: fp8.gemm=auto runs FP8-LM with 16-bit GEMMs here (fp8/device.py)")
     for what, n in (("tokens (sequence x micro-batch)", tokens), ("input features", in_features),
                     ("output features", out_features)):
         if n % 16:
             raise ValueError(f"FP8 GEMMs on CUDA need every dimension divisible by 16: {what} = {n} "
-                             f"(set fp8.emulate=true or change the shape)")
+                             f"(fp8.gemm=bf16 or fp8.emulate=true avoid FP8 GEMMs; or change the shape)")
 
 
 class _Fp8Linear(torch.autograd.Function):

@@ -34,7 +34,7 @@ from tests.dist_harness import run_world
 S, B, IN, OUT = 8, 2, 32, 16  # s and every split dim divisible by 2
 E4M3, E5M2 = torch.float8_e4m3fn, torch.float8_e5m2
 FMT_MAX = {E4M3: 448.0, E5M2: 57344.0}
-UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8}
+UNIT = {torch.float32: 2.0 ** -24, torch.bfloat16: 2.0 ** -8, torch.float16: 2.0 ** -11}
 
 
 def _rand(seed: int, *shape, dtype=torch.float32) -> torch.Tensor:
@@ -76,7 +76,9 @@ def _gemm_tol(P: torch.Tensor, ref: torch.Tensor, K: int, out_dtype: torch.dtype
     tests/gpu passes the coarser one of Hopper's FP8 tensor cores)."""
     u = UNIT[out_dtype]
     extra = 2 * u if (emulate and out_dtype != torch.float32) else 0.0
-    return ((K + 9) * acc_unit + extra) * P + u * ref.abs()
+    # below 2**-14 fp16's rounding is absolute: half the spacing of its subnormals (bf16 and fp32: far below)
+    subnormal = 2.0 ** -25 if out_dtype == torch.float16 else 0.0
+    return ((K + 9) * acc_unit + extra) * P + u * ref.abs() + subnormal
 
 
 def _case(group, label: str, kind: str, *, sp: bool = False, fused: int = 1, sp_fp8: bool = True,
@@ -224,8 +226,10 @@ def cpu_fp8_gemm(request, monkeypatch):
     assert bool(calls) == (request.param == "native"), (request.param, len(calls))
 
 
-@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16], ids=["fp32", "bf16"])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16, torch.float16], ids=["fp32", "bf16", "fp16"])
 def test_single_process_fp8_linear_matches_the_dequantized_float64_reference(dtype, cpu_fp8_gemm) -> None:
+    """fp16: the layer under precision=fp8 with fp8.gemm=fp16 and fp8.emulate=true (FP8 numerics around a V100's
+    fp16 GEMMs), and the FP8 product returned in fp16."""
     res = {"checks": {}, "scales": {}}
     for label, mode in (("column", dict(kind="column")), ("column_fused2", dict(kind="column", fused=2)),
                         ("row", dict(kind="row"))):

@@ -79,14 +79,17 @@ def test_shapes_not_multiple_of_16_are_a_clear_error_not_a_cuda_assert(tokens, i
     assert torch.isfinite(y).all()
 
 
-def test_fp8_device_check_accepts_this_gpu():
+def test_fp8_gemm_path_of_this_gpu_follows_its_capability():
+    """fp8.gemm=auto on the real device: FP8 GEMMs from 8.9, bf16 on 8.x, fp16 below; the 16-bit ones forced."""
     from config import Fp8Config
-    from fp8.device import check_fp8_device
+    from fp8.device import resolve_gemm
 
     cap = torch.cuda.get_device_capability()
-    if cap < (8, 9):
-        pytest.skip(f"compute capability {cap} has no FP8 tensor cores")
-    check_fp8_device(torch.device("cuda"), Fp8Config())
+    want = "fp8" if cap >= (8, 9) else "bf16" if cap >= (8, 0) else "fp16"
+    gemm, why = resolve_gemm(torch.device("cuda"), Fp8Config())
+    assert gemm == want and f"{cap[0]}.{cap[1]}" in why, (gemm, why)
+    for forced in ("bf16", "fp16"):
+        assert resolve_gemm(torch.device("cuda"), Fp8Config(gemm=forced))[0] == forced
 
 
 @pytest.mark.parametrize("fmt", ["e4m3", "e5m2"])
