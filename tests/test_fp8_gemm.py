@@ -182,3 +182,39 @@ def test_16bit_gemms_move_the_fp8_paths_gradient_and_weight_bytes(name):
             linears = 4 * cfg.model.n_layers
             amax = fp8_amax_bytes(cfg, layout, linears, layout.num_microbatches)["dp"]
             assert abs(a["all_reduce/dp"] - b["all_reduce/dp"] - amax) <= 16, (gemm, rank, a, b, amax)
+
+
+def _trainer_worker(run_dir, extra):
+    from tests.dist_harness import train_main
+
+    root = __import__("pathlib").Path(__file__).resolve().parents[1]
+    sample = root / "data" / "sample"
+    code, out, err = train_main(["--config", str(root / "configs" / "tiny.yaml"), f"logging.run_dir={run_dir}",
+                                 "train.max_steps=2", "train.eval_interval=0", "logging.interval=1",
+                                 "checkpoint.interval=0", "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled",
+                                 "model.n_layers=1", "train.micro_batch_size=4", "train.global_batch_size=8",
+                                 f"data.paths=[{sample / 'sample_text_document'}]",
+                                 f"data.tokenizer={sample / 'tokenizer.model'}", FP8, *extra])
+    return code, out, err
+
+
+@pytest.mark.parametrize("gemm,line", [
+    ("auto", "[fp8] FP8 GEMMs (fp8.gemm=auto: CPU runs FP8 GEMMs)"),
+    ("fp16", "[fp8] fp16 GEMMs of the step's fp16 working weights, activations not quantized (fp8.gemm=fp16 (forced) "
+             "on CPU)")], ids=["auto", "fp16"])
+def test_the_trainer_says_which_gemms_run_and_records_the_resolved_setting(tmp_path, gemm, line):
+    """The start-up line names the GEMM path and why; config.yaml records what ran (auto resolved), and the
+    metrics carry the loss scale where fp16 GEMMs run under it."""
+    import json
+
+    import yaml
+
+    code, out, err = run_world(_trainer_worker, 1, tmp_path / "run", [f"fp8.gemm={gemm}"])[0]
+    assert code == 0, err[-2000:]
+    said = [s for s in out.splitlines() if s.startswith("[fp8]")]
+    assert len(said) == 1 and said[0].startswith(line), out
+    recorded = yaml.safe_load((tmp_path / "run" / "config.yaml").read_text())["fp8"]["gemm"]
+    assert recorded == ("fp8" if gemm == "auto" else gemm)
+    records = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
+    scales = [r["loss_scale"] for r in records if "loss_scale" in r]
+    assert scales and all((s > 1) == (gemm == "fp16") for s in scales), scales
