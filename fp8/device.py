@@ -103,4 +103,5 @@ def startup_line(cfg: Fp8Config, why: str) -> str:
         return f"[fp8] FP8 GEMMs ({why}); {kept}"
     if cfg.emulate:
         return f"[fp8] FP8 numerics emulated around {cfg.gemm} GEMMs ({why}); {kept}{fp16}"
-    return f"[fp8] {cfg.gemm} GEMMs of the step's {cfg.gemm} working weights, activations not quantized ({why}); {kept}{fp16}"
+    return (f"[fp8] {cfg.gemm} GEMMs of the step's {cfg.gemm} working weights, activations not quantized ({why}); "
+            f"{kept}{fp16}")

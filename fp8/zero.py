@@ -19,16 +19,16 @@ gather moves each rank's E4M3 shard with its fp32 scales appended, as one uint8
 payload. Stage 1 keeps gradient shards like stage 2: the FP8 reduction produces
 them anyway. One rank: stage 0 keeps 2 + 1 + 1 + 2 = 6 bytes a parameter.
 
-The compute weights (bf16, or fp16 with fp16 GEMMs: what autograd, the norms and the 16-bit GEMMs see) are *working*
-buffers for every stage: materialised before a module runs and released after,
+The compute weights (bf16, or fp16 with fp16 GEMMs: what autograd, the norms and
+16-bit GEMMs see) are *working* buffers for every stage: materialised before a module runs and released after,
 from the master (stage 0), from the persistent E4M3 copy (stages 1-2), or by the
 FP8 all-gather (stage 3, within the hpZ group when its secondary is valid). The
 FP8 linears cast them to E4M3 with their own scales (``fp8/linear.py``).
 
 A step: backward accumulates each parameter's gradient into its unit's working
-buffer (the compute dtype's 16 bits, or fp32: ``fp8.grad_accumulation``); on the last micro-batch, once the unit is complete, the
-sequence-parallel norm pieces are summed over TP, every tensor is cast to FP8 as
-g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
+buffer (the compute dtype's 16 bits, or fp32: ``fp8.grad_accumulation``); on the last
+micro-batch, once the unit is complete, the sequence-parallel norm pieces are
+summed over TP, every tensor is cast to FP8 as g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
 scale, FP8 bytes moved, fp32 sum, result scale N * s'_g); stage 0 all-gathers
 the reduced FP8 shards. ``clip`` takes the norm of the reduced gradients, treats
 mu as a loss scale, and updates mu from the world's overflow count. ``step``

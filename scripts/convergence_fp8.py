@@ -140,8 +140,9 @@ def main(argv=None) -> int:
     print()
     for (layout, what), g in gaps.items():
         mean = sum(g) / len(g)
+        each = ", ".join(f"{100 * x:+.2f}%" for x in g)
         print(f"{layout} fp8.gemm={what[4:]} vs {REFERENCE[what[4:]]}: final validation loss {100 * mean:+.2f}% "
-              f"mean over {len(g)} seed(s), spread {100 * (max(g) - min(g)):.2f}% ({', '.join(f'{100 * x:+.2f}%' for x in g)})")
+              f"mean over {len(g)} seed(s), spread {100 * (max(g) - min(g)):.2f}% ({each})")
     print(f"\nlargest |mean gap| of the final validation loss: {100 * worst:.2f}% (bar: 2%)")
     return 0 if worst <= 0.02 else 1
 

@@ -191,7 +191,8 @@ def _trainer_worker(run_dir, extra):
     sample = root / "data" / "sample"
     code, out, err = train_main(["--config", str(root / "configs" / "tiny.yaml"), f"logging.run_dir={run_dir}",
                                  "train.max_steps=2", "train.eval_interval=0", "logging.interval=1",
-                                 "checkpoint.interval=0", "checkpoint.save_at_exit=false", "logging.wandb.mode=disabled",
+                                 "checkpoint.interval=0", "checkpoint.save_at_exit=false",
+                                 "logging.wandb.mode=disabled",
                                  "model.n_layers=1", "train.micro_batch_size=4", "train.global_batch_size=8",
                                  f"data.paths=[{sample / 'sample_text_document'}]",
                                  f"data.tokenizer={sample / 'tokenizer.model'}", FP8, *extra])

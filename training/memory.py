@@ -91,7 +91,8 @@ def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
     """Working bytes ``rank`` holds between two optimizer steps (``Working.now`` after a step): ZeRO-3 with prefetch
     starts, at the end of its step, the gathers of the next forward's first ``zero.prefetch_depth`` + 1 modules of
     the first chunk (``ZeroDataParallel._next_forward_units``) and holds them; FP8-LM at stage 0 keeps every unit's
-    16-bit working weights (bf16, or fp16 with fp8.gemm=fp16) (``fp8/zero.py``). Part of ``working_peak``, never more."""
+    16-bit working weights (bf16, or fp16 with fp8.gemm=fp16; ``fp8/zero.py``). Part of ``working_peak``, never
+    more."""
     z = cfg.zero
     chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
     if cfg.precision == "fp8":
@@ -111,9 +112,9 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by
     ``fp8.zero_unit.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
     parameter, packed; ``fp8_weights``: stages 1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the
-    owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: 16-bit weights (the compute dtype) materialised per
-    module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and the gradient
-    accumulation (``fp8.grad_accumulation``: 2 or 4 bytes; the whole step's when micro-batches accumulate)."""
+    owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: 16-bit weights (the compute dtype)
+    materialised per module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and the
+    gradient accumulation (``fp8.grad_accumulation``: 2 or 4 bytes; the whole step's when micro-batches accumulate)."""
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
     master = 2 if cfg.fp8.master_dtype == "fp16" else 4
