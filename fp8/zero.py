@@ -20,20 +20,22 @@ payload. Stage 1 keeps gradient shards like stage 2: the FP8 reduction produces
 them anyway. One rank: stage 0 keeps 2 + 1 + 1 + 2 = 6 bytes a parameter.
 
 The compute weights (bf16, or fp16 with fp16 GEMMs: what autograd, the norms and
-16-bit GEMMs see) are *working* buffers for every stage: materialised before a module runs and released after,
-from the master (stage 0), from the persistent E4M3 copy (stages 1-2), or by the
-FP8 all-gather (stage 3, within the hpZ group when its secondary is valid). The
-FP8 linears cast them to E4M3 with their own scales (``fp8/linear.py``).
+16-bit GEMMs see) are *working* buffers for every stage: materialised before a
+module runs and released after, from the master (stage 0), from the persistent
+E4M3 copy (stages 1-2), or by the FP8 all-gather (stage 3, within the hpZ group
+when its secondary is valid). The FP8 linears cast them to E4M3 with their own
+scales (``fp8/linear.py``); with 16-bit GEMMs (``fp8.gemm``) they enter the GEMMs
+as they are.
 
 A step: backward accumulates each parameter's gradient into its unit's working
-buffer (the compute dtype's 16 bits, or fp32: ``fp8.grad_accumulation``); on the last
-micro-batch, once the unit is complete, the sequence-parallel norm pieces are
-summed over TP, every tensor is cast to FP8 as g' = mu * g with its own scale, and ``fp8/grad_comm.py`` reduces it (shared min
-scale, FP8 bytes moved, fp32 sum, result scale N * s'_g); stage 0 all-gathers
-the reduced FP8 shards. ``clip`` takes the norm of the reduced gradients, treats
-mu as a loss scale, and updates mu from the world's overflow count. ``step``
-runs the FP8 AdamW (``fp8/adam.py``) on each owned tensor, then refreshes the
-E4M3 weights.
+buffer (the compute dtype's 16 bits, or fp32: ``fp8.grad_accumulation``); on the
+last micro-batch, once the unit is complete, the sequence-parallel norm pieces are
+summed over TP, every tensor is cast to FP8 as g' = mu * g with its own scale, and
+``fp8/grad_comm.py`` reduces it (shared min scale, FP8 bytes moved, fp32 sum,
+result scale N * s'_g); stage 0 all-gathers the reduced FP8 shards. ``clip`` takes
+the norm of the reduced gradients, removes mu with the loss scale, and updates mu
+from the world's overflow count. ``step`` runs the FP8 AdamW (``fp8/adam.py``) on
+each owned tensor, then refreshes the E4M3 weights.
 
 Checkpoints hold fp32 values under the same global names as every other
 precision (``model.*``, ``optim.*.exp_avg(_sq)``); all optimizer scales are
