@@ -69,6 +69,9 @@ def check_config_file(path: str) -> None:
         raise ConfigError(f"--config {path} is a directory, not a YAML file")
     if not os.path.exists(path):
         return  # load_config names it: "config file not found"
+    from config import check_config_size
+
+    check_config_size(path)  # before reading it whole
     try:
         with open(path, "rb") as f:
             raw = f.read()

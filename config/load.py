@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import os
 import typing
 from typing import List, Optional
 
@@ -11,7 +12,7 @@ import yaml
 from omegaconf import OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-from config.schema import CHOICES, Config, ConfigError
+from config.schema import CHOICES, MAX_CONFIG_BYTES, Config, ConfigError
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -20,6 +21,7 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
     layers = []
     try:
         if yaml_path is not None:
+            check_config_size(yaml_path)
             layers.append(OmegaConf.load(yaml_path))
         if overrides:
             bad = [o for o in overrides if "=" not in o]
@@ -46,8 +48,24 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
     except OmegaConfBaseException as e:
         where = f" in {yaml_path}" if yaml_path else ""
         raise ConfigError(f"invalid config{where}: {_omegaconf_message(e)}") from None
+    except yaml.YAMLError as e:  # omegaconf's loader: a duplicated key, an alias (anchors expand to any size), ...
+        mark = getattr(e, "problem_mark", None)
+        at = f" at line {mark.line + 1}, column {mark.column + 1}" if mark else ""
+        problem = " ".join(str(getattr(e, "problem", None) or e).split()).split(" See https")[0]
+        raise ConfigError(f"invalid config in {yaml_path}{at}: {problem}") from None
     assert isinstance(cfg, Config)
     return cfg
+
+
+def check_config_size(path: str) -> None:
+    """A config file larger than ``MAX_CONFIG_BYTES`` is refused before YAML reads it (one line)."""
+    try:
+        size = os.path.getsize(path)
+    except OSError:
+        return  # missing or unreadable: the loader names it
+    if size > MAX_CONFIG_BYTES:
+        raise ConfigError(f"config file {path} is {size / 2**20:.1f} MiB; a config is at most "
+                          f"{MAX_CONFIG_BYTES // 2**20} MiB (config.MAX_CONFIG_BYTES): is it the right file?")
 
 
 @functools.lru_cache(maxsize=None)

@@ -50,6 +50,9 @@ MAX_BUCKET_MB = 2.0**20
 """parallel.bucket_mb: 1 TiB, larger than any model's gradients (a bucket never exceeds them)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
 """parallel.timeout_s: a week; a collective stuck longer is a hang (and ~1e9 s overflows C++ clocks)."""
+MAX_CONFIG_BYTES = 4 * 2**20
+"""A --config YAML file: 4 MiB, about a thousand times the largest preset (a blend of thousands of data.paths
+included); a larger file is refused before it is parsed (300 MB took YAML about two minutes)."""
 
 
 @dataclass

@@ -107,6 +107,47 @@ def test_bad_yaml_is_rejected_naming_the_file_and_key(tmp_path: Path) -> None:
         load_config(str(tmp_path / "missing.yaml"))
 
 
+def test_yaml_the_loader_refuses_is_one_config_error_naming_the_file(tmp_path: Path) -> None:
+    """A duplicated section and aliases that expand past omegaconf's limit (a billion-laughs file) are YAML errors
+    of omegaconf's loader, not of the schema: one ConfigError naming the file (they were ConstructorError
+    tracebacks), as train.py reports it (exit 2)."""
+    import train
+
+    dup = tmp_path / "dup.yaml"
+    dup.write_text("train:\n  max_steps: 3\ntrain:\n  max_steps: 4\n")
+    laughs = tmp_path / "laughs.yaml"
+    levels = ['&l0 ["x","x","x","x","x","x","x","x","x"]'] + [
+        f"&l{i} [" + ",".join([f"*l{i - 1}"] * 9) + "]" for i in range(1, 6)]  # 9**6 strings, from 60 lines' worth
+    laughs.write_text("data:\n  paths: [" + ", ".join(levels) + "]\n")
+    for path, fragment in ((dup, "duplicate key train"), (laughs, "expansion exceeds")):
+        with pytest.raises(ConfigError) as e:
+            load_config(str(path))
+        assert str(path) in str(e.value) and fragment in str(e.value) and "\n" not in str(e.value), e.value
+        assert train.main(["--config", str(path)]) == 2
+
+
+def test_an_oversized_config_file_is_refused_before_it_is_parsed(tmp_path: Path, capsys) -> None:
+    """A 300 MB file (sparse: no disk used) is refused at once, naming its size and the bound; YAML took about two
+    minutes to reject it."""
+    import time
+
+    import train
+    from config import MAX_CONFIG_BYTES
+
+    big = tmp_path / "big.yaml"
+    with open(big, "wb") as f:
+        f.truncate(300 * 2**20)
+    began = time.monotonic()
+    with pytest.raises(ConfigError, match=r"big\.yaml is 300\.0 MiB; a config is at most 4 MiB"):
+        load_config(str(big))
+    assert train.main(["--config", str(big)]) == 2
+    assert "300.0 MiB" in capsys.readouterr().err
+    assert time.monotonic() - began < 5
+    ok = tmp_path / "ok.yaml"
+    ok.write_text("train:\n  max_steps: 3\n" + "#" * 80 + "\n" * 1)
+    assert load_config(str(ok)).train.max_steps == 3 and ok.stat().st_size < MAX_CONFIG_BYTES
+
+
 # ---- validation ----------------------------------------------------------------------------------
 
 def _invalid(*overrides: str) -> str:
