@@ -354,3 +354,27 @@ def test_run_reports_input_errors_and_keeps_the_traceback_of_a_bug(monkeypatch, 
     assert info.value.code == 2
     assert capsys.readouterr().err == "error: unrecognized arguments: --nope (usage: x.py --help)\n"
     assert _cli.run(lambda argv: None, []) == 0 and _cli.run(lambda: 3) == 3
+
+
+@pytest.mark.parametrize("name,value", [
+    ("GPT_COMPILE_BACKEND", "bogus"), ("GPT_CPU_FP8_GEMM", "bogus"), ("GPT_CPU_FP8_GEMM", "FP32"),
+    ("GPT_CPU_FP8_GEMM", ""), ("GPT_CPU_GEMM", "fast"), ("FP8_PACKED", "yes"), ("ZEROPP_TRITON", "true"),
+    ("ZEROPP_REFERENCE", "2")])
+def test_environment_switches_are_checked_at_start_up(monkeypatch, capsys, tmp_path, name, value):
+    """A bad value of an environment switch the run reads later is one line naming it, exit 2, before the run
+    directory exists (it was a traceback at the first step that read it, after the run directory and lock)."""
+    import train
+    from fp8.linear import cpu_fp32
+    from parallel.cpu_gemm import upcasts
+
+    monkeypatch.setenv(name, value)
+    cpu_fp32.cache_clear()  # (read once per process: this worker may have read the good value already)
+    upcasts.cache_clear()
+    try:
+        code = train.main([f"logging.run_dir={tmp_path / 'run'}", "train.max_steps=1", "logging.wandb.mode=disabled"])
+    finally:
+        cpu_fp32.cache_clear()
+        upcasts.cache_clear()
+    lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
+    assert code == 2 and len(lines) == 1 and name in lines[0] and repr(value) in lines[0], lines
+    assert not (tmp_path / "run").exists()

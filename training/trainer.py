@@ -30,7 +30,7 @@ from data.tokenizer import load_tokenizer
 from model.compile import recompiles
 from model.flops import flops_per_token, parameter_count
 from parallel import comm
-from parallel.launch import init_distributed, pick_device, read_launch_env
+from parallel.launch import LaunchError, init_distributed, pick_device, read_launch_env
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
@@ -71,6 +71,27 @@ def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> 
     return get
 
 
+def check_switches() -> None:
+    """Every environment switch a run reads later, read now: a bad value is one LaunchError naming it (exit 2)
+    before a run directory or lock exists, not a traceback at the first step that uses it. GPT_COMPILE_BACKEND,
+    GPT_CPU_GEMM, GPT_CPU_FP8_GEMM and FP8_PACKED through the functions that read them; ZEROPP_TRITON and
+    ZEROPP_REFERENCE take 0 or 1 (another value was read as 0)."""
+    from fp8.linear import cpu_fp32
+    from fp8.zero_unit import packed_updates
+    from model.compile import backend
+    from parallel.cpu_gemm import upcasts
+
+    for name in ("ZEROPP_TRITON", "ZEROPP_REFERENCE"):
+        value = os.environ.get(name)
+        if value not in (None, "", "0", "1"):
+            raise LaunchError(f"{name} must be 0 or 1, got {value!r}")
+    for read in (backend, cpu_fp32, lambda: packed_updates(torch.device("cpu")), lambda: upcasts(torch.bfloat16)):
+        try:
+            read()
+        except ValueError as e:
+            raise LaunchError(str(e)) from None
+
+
 def _run_dir(cfg: Config, config_name: str, mesh: Mesh) -> Path:
     name = cfg.logging.run_dir
     if name is None and mesh.rank == 0:
@@ -84,6 +105,7 @@ def run(cfg: Config, config_name: str = "default", stop: Optional[StopFlag] = No
     validate_config(cfg)
     env = read_launch_env()
     comm.check_trace()  # GPT_COMM_TRACE: a file or an unwritable place is found now, not at the first step
+    check_switches()
     layout = make_layout(cfg, env.world_size, env.local_world_size)
     train_ds, valid_ds = check_data(cfg)
     device = pick_device(cfg.device, env)
