@@ -114,9 +114,18 @@ def resolve_tokenizer(name: str, override: str | None) -> Path:
     raise GenerateError(f"tokenizer {name} not found (the checkpoint's data.tokenizer; pass --tokenizer PATH)")
 
 
+MAX_NEW_TOKENS = 2**20
+"""--max-new-tokens: config.MAX_SEQ_LEN, the longest context any model here has (the window slides past it)."""
+SEED_RANGE = (0, 2**64 - 1)
+"""--seed: what torch.Generator.manual_seed takes (an unsigned 64-bit number)."""
+
+
 def check_options(args: argparse.Namespace) -> None:
-    if args.max_new_tokens < 0:
-        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} must be >= 0")
+    if not 0 <= args.max_new_tokens <= MAX_NEW_TOKENS:
+        raise GenerateError(f"--max-new-tokens {args.max_new_tokens} must be in [0, {MAX_NEW_TOKENS}] "
+                            f"(generate.MAX_NEW_TOKENS = config.MAX_SEQ_LEN)")
+    if not SEED_RANGE[0] <= args.seed <= SEED_RANGE[1]:
+        raise GenerateError(f"--seed {args.seed} must be in [0, 2**64 - 1] (torch's generator seeds)")
     if not math.isfinite(args.temperature) or args.temperature < 0:
         raise GenerateError(f"--temperature {args.temperature} must be a finite number >= 0 (0 = greedy)")
     if args.top_k < 0:

@@ -196,8 +196,10 @@ def test_bad_paths_and_options_are_one_line_and_exit_code_2(run_dir, tmp_path, m
     (tmp_path / "tok.model").write_text("not a sentencepiece model")
     assert "not a valid SentencePiece model" in error("--checkpoint", ckpt, "--tokenizer", str(tmp_path / "tok.model"),
                                                       "--device", "cpu")
+    # a seed beyond torch's 64 bits was a manual_seed traceback; a token count had no ceiling
     for option, value in (("--max-new-tokens", "-1"), ("--top-k", "-2"), ("--temperature", "-1"),
-                          ("--temperature", "nan")):
+                          ("--temperature", "nan"), ("--seed", str(2**70)), ("--seed", "-1"),
+                          ("--max-new-tokens", "10000000000")):
         assert f"{option} {value}" in error("--checkpoint", ckpt, option, value, "--device", "cpu")
     if not torch.cuda.is_available():
         assert "CUDA is not available" in error("--checkpoint", ckpt, "--device", "cuda")
