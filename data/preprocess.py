@@ -287,6 +287,11 @@ def main(argv: list[str] | None = None) -> int:
     datasets.logging.set_verbosity(datasets.logging.CRITICAL)  # its errors come back as the one line (DataError)
     if args.workers < 1:
         parser.error(f"--workers must be at least 1, got {args.workers}")
+    stem = os.path.basename(args.output_prefix)
+    if stem in ("", ".", ".."):  # 'dir/' would write the hidden files dir/.bin and dir/.idx
+        example = os.path.join(os.path.normpath(args.output_prefix), "corpus")
+        parser.error(f"--output-prefix {args.output_prefix} has no file name: give a directory and a name, e.g. "
+                     f"{example} (writes {example}.bin and {example}.idx)")
     try:
         stats = preprocess(
             args.input,

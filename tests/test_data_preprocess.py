@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import gzip
 import json
+import os
 from pathlib import Path
 
 import pyarrow as pa
@@ -226,6 +227,9 @@ def test_cli_bad_paths_are_one_line(tmp_path: Path, capsys) -> None:
         (["--input", str(good), "--tokenizer", str(tmp_path / "noise.jsonl")], ["noise.jsonl"]),
         (["--input", str(good), "--output-prefix", str(tmp_path / "somefile" / "out")], ["somefile"]),
         (["--input", str(good), "--workers", "0"], ["--workers"]),
+        # a directory as the prefix wrote the hidden files <dir>/.bin and <dir>/.idx
+        (["--input", str(good), "--output-prefix", str(tmp_path) + os.sep], [str(tmp_path), "has no file name"]),
+        (["--input", str(good), "--output-prefix", str(tmp_path) + os.sep + "."], ["has no file name"]),
     ]
     for extra, parts in cases:
         argv = {"--output-prefix": str(tmp_path / "out"), "--tokenizer": TOKENIZER}
