@@ -148,3 +148,59 @@ def test_full_disk_on_one_rank_fails_every_rank_and_keeps_the_previous(tmp_path)
         assert e is not None and "no space left on device while saving checkpoint step_00000002" in e
         assert "rng_rank00001.pt" in e and "step_00000001 is kept" in e
     assert sorted(p.name for p in tmp_path.iterdir()) == ["latest", "step_00000001"]
+
+
+def test_a_full_disk_behind_dcps_wrapped_short_write_is_named(tmp_path, monkeypatch):
+    """A disk that fills during DCP's write reaches the saver as ``CheckpointException ranks:dict_keys([0])`` around
+    torch's zip writer's ``RuntimeError: ... unexpected pos N vs M`` (no ENOSPC left in it; seen on a full tmpfs):
+    the error names the full disk and the directory, from the free space there when the save failed."""
+    import shutil
+    import traceback
+    from collections import namedtuple
+
+    from torch.distributed.checkpoint.api import CheckpointException
+
+    import training.checkpoint as ck
+
+    inner = RuntimeError("[enforce fail at inline_container.cc:672] . unexpected pos 704 vs 598")
+    wrapped = CheckpointException("CheckpointException ranks:dict_keys([0])", {0: (inner, traceback.StackSummary())})
+    tmp = tmp_path / "ckpt" / ".step_00000002.tmp"
+    tmp.mkdir(parents=True)
+    usage = namedtuple("usage", "total used free")
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**30, 2**30 - 4096, 4096))
+    msg = ck._save_error(wrapped, tmp)
+    assert msg.startswith("no space left on device while saving checkpoint step_00000002") and str(tmp.parent) in msg
+    assert "unexpected pos" in msg and "ranks:dict_keys" not in msg, msg
+    monkeypatch.setattr(shutil, "disk_usage", lambda p: usage(2**30, 2**29, 2**29))  # space again: a short write
+    msg = ck._save_error(wrapped, tmp)
+    assert "was cut short" in msg and str(tmp) in msg and "ranks:dict_keys" not in msg, msg
+
+
+def _full_tmpfs_worker(mount_point):
+    from training.checkpoint import Checkpointer, CheckpointError
+
+    cfg = tiny_config()
+    engine = build_engine(cfg)
+    engine.train_step(batch_fn(engine, 0))
+    try:
+        Checkpointer(cfg, str(Path(mount_point) / "ckpt"), engine).save(1, 8)
+    except CheckpointError as e:
+        return str(e)
+    return None
+
+
+def test_a_really_full_filesystem_is_named(tmp_path):
+    """The same on a real 300 KiB tmpfs (root only: skipped where mounting is not allowed)."""
+    import subprocess
+
+    point = tmp_path / "full"
+    point.mkdir()
+    if subprocess.run(["mount", "-t", "tmpfs", "-o", "size=300k", "tmpfs", str(point)], capture_output=True).returncode:
+        pytest.skip("cannot mount a tmpfs here (not root, or no CAP_SYS_ADMIN)")
+    try:
+        error = run_world(_full_tmpfs_worker, 1, str(point), timeout=120)[0]
+        assert error is not None and "no space left on device while saving checkpoint step_00000001" in error, error
+        assert str(point / "ckpt") in error and "\n" not in error
+        assert sorted(p.name for p in (point / "ckpt").iterdir()) == [], "the partial save is removed"
+    finally:
+        subprocess.run(["umount", str(point)], capture_output=True)

@@ -67,33 +67,67 @@ def model_record(model: ModelConfig) -> Dict[str, Any]:
     return {k: getattr(model, k) for k in keys}
 
 
-def _oserror(e: BaseException) -> Optional[OSError]:
-    """The OSError behind e: itself, its cause/context, or one rank's failure inside a DCP CheckpointException."""
-    seen = set()
-    todo = [e]
+def _chain(e: BaseException) -> List[BaseException]:
+    """e, its causes and contexts, and every rank's failure inside a DCP CheckpointException (recursively)."""
+    seen, out, todo = set(), [], [e]
     while todo:
         x = todo.pop()
         if x is None or id(x) in seen:
             continue
         seen.add(id(x))
-        if isinstance(x, OSError):
-            return x
+        out.append(x)
         todo += [x.__cause__, x.__context__]
         failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
         if isinstance(failures, dict):
             todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
+    return out
+
+
+def _oserror(e: BaseException) -> Optional[OSError]:
+    """The OSError behind e: itself, its cause/context, or one rank's failure inside a DCP CheckpointException."""
+    return next((x for x in _chain(e) if isinstance(x, OSError)), None)
+
+
+FULL_BELOW_BYTES = 16 * 2**20
+"""A failed save on a filesystem with less free space than this is reported as a full disk."""
+
+
+def _free_bytes(path: Path) -> Optional[int]:
+    for p in (path, *path.parents):
+        if p.exists():
+            try:
+                return shutil.disk_usage(p).free
+            except OSError:
+                return None
     return None
 
 
 def _save_error(e: BaseException, tmp: Path) -> str:
-    """One line on why saving into ``tmp`` failed, naming the file when known."""
+    """One line on why saving into ``tmp`` failed, naming the file when known. A full disk often reaches us without
+    its ENOSPC: torch's zip writer turns the short write into ``RuntimeError: ... unexpected pos N vs M`` inside
+    DCP's CheckpointException; so a failure with (almost) no free space left where it was writing is a full disk,
+    checked before the partial save is removed."""
     os_err = _oserror(e)
     where = os_err.filename if os_err is not None and os_err.filename else tmp
-    if os_err is not None and os_err.errno == errno.ENOSPC or "No space left" in str(e):
-        return f"no space left on device while saving checkpoint {tmp.name.strip('.')[:-4]} ({where})"
+    name = tmp.name.strip('.')[:-4]
+    text = " ".join(str(x) for x in _chain(e))
+    if os_err is not None and os_err.errno == errno.ENOSPC or "No space left" in text:
+        return f"no space left on device while saving checkpoint {name} ({where})"
+    free = _free_bytes(tmp) if os_err is None or os_err.errno != errno.EACCES else None
+    if free is not None and free < FULL_BELOW_BYTES:
+        return (f"no space left on device while saving checkpoint {name} ({tmp.parent}: {free / 2**20:.1f} MiB free "
+                f"when the save failed: {_first_line(e)})")
+    if "unexpected pos" in text:  # the zip writer's short write, with space free again (another writer's?)
+        return f"a write of checkpoint {name} into {tmp} was cut short (disk full or over quota?): {_first_line(e)}"
     if os_err is not None:
         return f"cannot write checkpoint {tmp.name.strip('.')[:-4]}: {os_err.strerror or os_err} ({where})"
-    return f"saving checkpoint into {tmp} failed: {e.__class__.__name__}: {str(e).splitlines()[0] if str(e) else ''}"
+    return f"saving checkpoint into {tmp} failed: {_first_line(e)}"
+
+
+def _first_line(e: BaseException) -> str:
+    """The innermost failure's type and first line (a CheckpointException's own text names only ranks)."""
+    x = next((x for x in _chain(e) if not getattr(x, "failures", None)), e)
+    return f"{x.__class__.__name__}: {str(x).splitlines()[0] if str(x) else ''}"
 
 
 def _write_json(path: Path, obj: Any) -> None:
