@@ -86,3 +86,23 @@ def test_early_step_applies_only_to_stage_3_with_hpz_and_qwz_without_qwd():
         assert cfg.zero.early_step  # the default: on where it applies
         from parallel.volume import early_units
         assert early_units(cfg, [None, None]) == set()
+
+
+def test_the_early_step_metric_of_a_skipped_step_is_false(tmp_path):
+    """train.py on 2 nodes x 2 with the early step (from step 2: step 1 has no recorded forward yet). The warm-up's
+    growing, huge learning rate (25, 50, 75, 100) sends the weights past bf16's range at some step (here the third;
+    measured: peak 30 never, 300 from the second), whose gradients are then not finite: it is skipped, keeps
+    nothing stepped early, and its record must say so (it repeated the last kept step's true)."""
+    from tests.dist_harness import train_main
+    from tests.test_train_e2e import FAST, records
+
+    args = FAST + ZEROPP + ["precision=bf16", "train.max_steps=4", "train.grad_clip=0", "train.lr=100",
+                            "train.warmup_steps=4", "train.global_batch_size=16", "checkpoint.interval=0",
+                            "checkpoint.save_at_exit=false", f"logging.run_dir={tmp_path / 'run'}"]
+    ranks = run_world(train_main, 4, args, env={"OMP_NUM_THREADS": "1"})
+    assert [code for code, _, _ in ranks] == [0, 0, 0, 0], ranks[0][2][-3000:]
+    steps = [(r["step"], r["skipped_steps"], r["early_step"]) for r in records(tmp_path / "run") if "early_step" in r]
+    skipped = [now[1] > before[1] for before, now in zip([(0, 0, False)] + steps, steps)]
+    assert not any(early for (_, _, early), skip in zip(steps, skipped) if skip), steps
+    # the case that matters happened: a step kept its early gathers and the next one was skipped
+    assert any(a[2] and b for a, b in zip(steps, skipped[1:])), steps

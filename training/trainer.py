@@ -344,8 +344,10 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time(),
                         **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {}),
                         **({"recompiles": recompiles()} if engine.compiled else {}),
-                        # zero.early_step: this step kept its early gathers (the next step's forward uses them)
-                        **({"early_step": engine.dp.last_early} if getattr(engine.dp, "early", False) else {})})
+                        # zero.early_step: this step kept its early gathers (the next step's forward uses them); a
+                        # skipped step keeps nothing (the strategy's flag is the last step taken's)
+                        **({"early_step": engine.dp.last_early and not stats["skipped"]}
+                           if getattr(engine.dp, "early", False) else {})})
             window_time, window_steps = 0.0, 0
         if sample:
             logger.log({"step": step, "quant_error": engine.dp.quant_error()})
