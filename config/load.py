@@ -23,6 +23,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
         if yaml_path is not None:
             check_config_size(yaml_path)
             layers.append(OmegaConf.load(yaml_path))
+            with open(yaml_path, encoding="utf-8") as f:
+                _numbers_as_written(layers[0], yaml.compose(f.read(), Loader=yaml.SafeLoader), "")
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
@@ -38,6 +40,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
                 if key in _string_keys() and isinstance(OmegaConf.select(layer, key), (bool, int, float)):
                     # a string setting is the text as typed: ``off`` (not YAML 1.1's False), ``007`` (not 7)
                     OmegaConf.update(layer, key, text.strip())
+                else:  # in a list or a mapping (``data.paths=[007, 1e3]``): numbers as written too
+                    _numbers_as_written(layer, yaml.compose(text, Loader=yaml.SafeLoader), key)
                 layers.append(layer)
         if yaml_path is not None:
             _string_booleans(layers[0], yaml_path)
@@ -82,6 +86,50 @@ def _string_keys() -> frozenset:
                 yield prefix + f.name
 
     return frozenset(walk(Config, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _string_list_keys() -> frozenset:
+    """Dotted keys of the list-of-strings settings (``List[str]`` or ``Optional[List[str]]``: data.paths)."""
+
+    def walk(cls: type, prefix: str):
+        hints = typing.get_type_hints(cls)
+        for f in dataclasses.fields(cls):
+            t = hints[f.name]
+            if dataclasses.is_dataclass(t):
+                yield from walk(t, f"{prefix}{f.name}.")
+            elif t in (List[str], Optional[List[str]]):
+                yield prefix + f.name
+
+    return frozenset(walk(Config, ""))
+
+
+def _is_number(value) -> bool:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
+
+
+def _numbers_as_written(layer, node, prefix: str) -> None:
+    """In place: where YAML made a number of a string setting's value (``name: 007`` -> 7, ``1e3`` -> 1000.0, in a
+    file, in a list ``paths: [007, 1e3]`` or a nested override), the text as written, read off the YAML nodes
+    (``node``: the composed document of the keys under ``prefix``). Booleans are ``_string_booleans``' business."""
+    for key in sorted(_string_keys() | _string_list_keys()):
+        if prefix and key != prefix and not key.startswith(prefix + "."):
+            continue
+        at = node
+        for part in (key[len(prefix):].lstrip(".").split(".") if key != prefix else []):
+            if not isinstance(at, yaml.MappingNode):
+                at = None
+                break
+            at = next((v for k, v in at.value if isinstance(k, yaml.ScalarNode) and k.value == part), None)
+        value = OmegaConf.select(layer, key, default=None)
+        if isinstance(at, yaml.ScalarNode) and _is_number(value):
+            OmegaConf.update(layer, key, at.value, merge=False)
+        elif isinstance(at, yaml.SequenceNode) and value is not None and not isinstance(value, (str, int, float)):
+            items = list(value)
+            fixed = [n.value if isinstance(n, yaml.ScalarNode) and _is_number(v) else v
+                     for n, v in zip(at.value, items)]
+            if fixed != items:
+                OmegaConf.update(layer, key, fixed, merge=False)
 
 
 def _string_booleans(layer, yaml_path: str) -> None:

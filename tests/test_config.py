@@ -342,6 +342,24 @@ def test_a_malformed_override_value_is_one_line_naming_it():
     assert "\n" not in str(info.value)
 
 
+def test_numbers_in_string_settings_keep_their_text_in_files_lists_and_nested_overrides(tmp_path: Path) -> None:
+    """A string setting written as a number keeps the text as written wherever it is written: in a YAML file
+    (``name: 007`` was '7', ``1e3`` was '1000.0'), in a list (``data.paths=[007, 1e3]`` was ['7', '1000.0']) and in
+    a nested override; settings that are numbers stay numbers."""
+    (tmp_path / "s.yaml").write_text("logging:\n  wandb:\n    name: 007\n    project: 1e3\n"
+                                     "data:\n  paths: [007, 1e3, 0x1F, corpus]\n  weights: [1e0, 3, 0.5, 2]\n"
+                                     "train:\n  lr: 1e-3\n")
+    cfg = load_config(str(tmp_path / "s.yaml"))
+    assert (cfg.logging.wandb.name, cfg.logging.wandb.project) == ("007", "1e3")
+    assert cfg.data.paths == ["007", "1e3", "0x1F", "corpus"]
+    assert cfg.data.weights == [1.0, 3.0, 0.5, 2.0] and cfg.train.lr == 1e-3  # numbers where numbers are meant
+    cfg = load_config(None, ["data.paths=[007, 1e3]", "logging.wandb={name: 0x10, project: 010}"])
+    assert cfg.data.paths == ["007", "1e3"]
+    assert (cfg.logging.wandb.name, cfg.logging.wandb.project) == ("0x10", "010")
+    # and the file's texts are what an override of the same key gives
+    assert load_config(str(tmp_path / "s.yaml"), ["data.paths=[1e3]"]).data.paths == ["1e3"]
+
+
 def test_yaml_booleans_in_string_settings(tmp_path: Path) -> None:
     """YAML 1.1 reads unquoted off/on/yes/no as booleans (and 007 as 7), which a string setting would turn into
     'False' ('7'): an override keeps the text as typed, a file's off/on goes where the setting takes it, anything
