@@ -122,7 +122,7 @@ def main(argv=None) -> int:
     print("| layout | run | seed | final train loss | mean of last 10% | final val loss | val vs reference "
           "| mu (changes) | s/step |")
     print("|---|---|---|---|---|---|---|---|---|")
-    worst, gaps = 0.0, {}
+    gaps = {}
     for layout in args.layouts:
         for what, _ in runs_of(args):
             for seed in args.seeds:
@@ -132,12 +132,12 @@ def main(argv=None) -> int:
                 rel = (r["val"] - ref["val"]) / ref["val"]
                 if fp8:
                     gaps.setdefault((layout, what), []).append(rel)
-                    worst = max(worst, abs(sum(gaps[layout, what]) / len(gaps[layout, what])))
                 mu = f"{r['mu']:g} ({r['mu_changes']})" if r["mu"] is not None else "-"
                 label = f"fp8, fp8.gemm={what[4:]} (vs {REFERENCE[what[4:]]})" if fp8 else what
                 print(f"| {layout} | {label} | {seed} | {r['final']:.4f} | {r['tail']:.4f} | {r['val']:.4f} | "
                       f"{100 * rel:+.2f}% | {mu} | {r['step_s']:.2f} |")
     print()
+    worst = max((abs(sum(g) / len(g)) for g in gaps.values()), default=0.0)
     for (layout, what), g in gaps.items():
         mean = sum(g) / len(g)
         each = ", ".join(f"{100 * x:+.2f}%" for x in g)
