@@ -95,6 +95,17 @@ def resolve_gemm(device: torch.device, cfg: Fp8Config) -> Tuple[str, str]:
                        torch.cuda.get_device_name(device))
 
 
+def triton_has_e4m3(device: torch.device) -> bool:
+    """Whether ``torch.compile`` can generate kernels that touch E4M3 tensors here: on CPU (inductor's C++), and on
+    CUDA from compute capability 8.9 only: Triton has no E4M3 type (its fp8e4nv) below ("fp8e4nv data type is not
+    supported on CUDA arch < 89", triton-lang/triton#4319), so on an A100 or V100 FP8-LM's per-unit work (E4M3
+    first moments and weights) runs eager, and blocks with emulated FP8 casts are not compiled."""
+    device = torch.device(device)
+    if device.type != "cuda":
+        return True
+    return tuple(torch.cuda.get_device_capability(device)) >= MIN_CAPABILITY
+
+
 def startup_line(cfg: Fp8Config, why: str) -> str:
     """What a run prints at start-up, for a resolved ``cfg.gemm``: which GEMMs run, why, and what FP8-LM keeps."""
     kept = "FP8 gradients with mu and their FP8 communication, the FP8 AdamW (6 bytes a parameter)"

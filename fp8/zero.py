@@ -53,6 +53,7 @@ from torch import nn
 
 from config import Config, compute_precision, grad_accumulation_precision
 from fp8 import adam
+from fp8.device import triton_has_e4m3
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients,
                            reduce_one_rank)
@@ -87,7 +88,8 @@ class Fp8DataParallel(ZeroDataParallel):
         self.packed = packed_updates(mesh.device)
         # train.compile: a unit's whole-unit operations (gradient cast, dequantizations, the AdamW update) compiled,
         # each into a few fused kernels (one graph per kind of unit: embedding, block, final norm)
-        compiled = compile_enabled(cfg, mesh.device) and self.packed
+        # (eager below compute capability 8.9: Triton has no E4M3 type there, fp8/device.py)
+        compiled = compile_enabled(cfg, mesh.device) and self.packed and triton_has_e4m3(mesh.device)
         jit = _compiled_without_grad if compiled else (lambda fn: fn)
         self._cast, self._reduce_one = jit(cast_gradients), jit(reduce_one_rank)
         self._unit_update, self._square_sum, self._materialize_packed = (jit(unit_update), jit(unit_square_sum),

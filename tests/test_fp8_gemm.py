@@ -61,6 +61,10 @@ def test_gemm_path_is_chosen_by_capability_never_by_name(monkeypatch, cap, name,
         assert resolve_gemm(cuda, Fp8Config(gemm=forced))[0] == forced
     # emulated FP8 numerics take the device's 16-bit GEMMs
     assert resolve_gemm(cuda, Fp8Config(emulate=True))[0] == ("fp16" if cap < (8, 0) else "bf16")
+    # and torch.compile can touch E4M3 tensors where Triton has the type: from 8.9 on
+    from fp8.device import triton_has_e4m3
+
+    assert triton_has_e4m3(cuda) == (expected == "fp8")
 
 
 def test_cpu_runs_fp8_gemms_and_te_is_refused():
@@ -219,3 +223,35 @@ def test_the_trainer_says_which_gemms_run_and_records_the_resolved_setting(tmp_p
     records = [json.loads(s) for s in (tmp_path / "run" / "metrics.jsonl").read_text().splitlines()]
     scales = [r["loss_scale"] for r in records if "loss_scale" in r]
     assert scales and all((s > 1) == (gemm == "fp16") for s in scales), scales
+
+
+def _compile_worker(overrides, has_e4m3):
+    """The engine's compile decisions with Triton's E4M3 support as given (no CUDA here: the rule is stubbed)."""
+    import fp8.zero
+    import training.engine
+    from config import ConfigError
+
+    for module in (training.engine, fp8.zero):
+        module.triton_has_e4m3 = lambda device: has_e4m3
+    try:
+        engine = build_engine(tiny_config(FP8, "train.compile=true", *overrides))
+    except ConfigError as e:
+        return {"error": str(e)}
+    return {"compiled": engine.compiled, "line": engine.gemm_line,
+            "unit_update_compiled": engine.dp._unit_update is not fp8.zero.unit_update}
+
+
+@pytest.mark.parametrize("overrides,has_e4m3,expect", [
+    (["fp8.gemm=bf16"], False, dict(compiled=True, unit_update_compiled=False, line="runs eager")),
+    (["fp8.gemm=bf16"], True, dict(compiled=True, unit_update_compiled=True, line=None)),
+    (["fp8.emulate=true"], False, dict(error="train.compile=true with fp8.emulate=true needs compute capability")),
+], ids=["a100_16bit_gemms", "fp8_capable", "a100_emulated"])
+def test_fp8_work_is_compiled_only_where_triton_has_e4m3(overrides, has_e4m3, expect):
+    """Below compute capability 8.9 Triton has no E4M3 type: FP8-LM's per-unit work runs eager there (said in the
+    start-up line), and compiled blocks with emulated E4M3 casts are refused (train.compile=true)."""
+    out = run_world(_compile_worker, 1, overrides, has_e4m3, env={"FP8_PACKED": "1"})[0]
+    if "error" in expect:
+        assert expect["error"] in out.get("error", ""), out
+        return
+    assert out["compiled"] == expect["compiled"] and out["unit_update_compiled"] == expect["unit_update_compiled"]
+    assert (expect["line"] in out["line"]) if expect["line"] else "eager" not in out["line"], out["line"]

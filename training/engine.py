@@ -19,8 +19,8 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 
 import torch
 
-from config import Config, compute_precision, fp8_operands
-from fp8.device import resolve_gemm, startup_line
+from config import Config, ConfigError, compute_precision, fp8_operands
+from fp8.device import resolve_gemm, startup_line, triton_has_e4m3
 from fp8.scaling import Fp8Scaling
 from fp8.zero import Fp8DataParallel
 from model.compile import compile_chunks, enabled as compile_enabled
@@ -61,6 +61,15 @@ class Engine:
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
         self.compiled = compile_enabled(cfg, mesh.device)
+        if fp8 and self.compiled and not triton_has_e4m3(mesh.device):  # an A100 / V100 (fp8/device.py)
+            if quantized:  # emulated FP8 casts inside the blocks: Triton cannot compile them there
+                if cfg.train.compile:
+                    raise ConfigError("train.compile=true with fp8.emulate=true needs compute capability >= 8.9 "
+                                      "(Triton has no E4M3 type below it): set train.compile=false")
+                self.compiled = False
+                self.gemm_line += "; blocks not compiled (emulated E4M3 casts: Triton has none below 8.9)"
+            else:
+                self.gemm_line += "; FP8-LM's per-unit optimizer work runs eager (Triton has no E4M3 below 8.9)"
         self._compile_pending = self.compiled  # block forwards and the loss: see _compile_when_ready
         self.fp8_scaling: Optional[Fp8Scaling] = None
         if fp8:  # FP8-LM: scaling state of the FP8 GEMMs (none with 16-bit GEMMs), and the FP8 data-parallel strategy
