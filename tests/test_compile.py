@@ -102,10 +102,19 @@ def test_compiled_training_equals_eager(name):
     compiled = run_world(_steps_worker, world, overrides + ["train.compile=true"], 4, env)
     fp8 = "precision=fp8" in overrides
     assert all(g == 0 for _, g in eager) and all(g > 0 for _, g in compiled), (eager, compiled)
+    # On a CPU without 16-bit matrix instructions (AVX2 only) 16-bit linears are fp32 GEMMs of the upcasts rounded
+    # once (parallel/cpu_gemm.py): the traced graph runs them as other fp32 kernel calls (2-D mm of the flattened
+    # operands) whose summation order differs from eager's, so an element now and then rounds to the neighbouring
+    # bf16 value and the losses drift by ~2e-5 after four steps (measured on a 2-core AVX2 EPYC; 0 with
+    # GPT_CPU_GEMM=native, where both run the same bf16 kernel)
+    from parallel.cpu_gemm import upcasts
+
+    sixteen = any(p in overrides for p in ("precision=bf16", "precision=fp16", "precision=fp8"))
+    reordered = sixteen and upcasts(torch.bfloat16)
     for rank, ((a, _), (b, _)) in enumerate(zip(compiled, eager)):
         for step, ((loss_c, norm_c), (loss_e, norm_e)) in enumerate(zip(a, b)):
             # the FP8 AdamW compiled takes the learning rate as a tensor: its parameter step rounds differently
-            tol = 2e-3 if fp8 else 1e-5
+            tol = 2e-3 if fp8 else 1e-4 if reordered else 1e-5
             assert loss_c == pytest.approx(loss_e, rel=tol), (rank, step, a, b)
             assert norm_c == pytest.approx(norm_e, rel=50 * tol), (rank, step, a, b)
 

@@ -28,8 +28,6 @@ LAYOUTS = {
     "zeropp_2nodes_x2_hpz2_qwz_qgz": (4, ["parallel.ranks_per_node=2", "zero.stage=3", "zero.hpz_size=2",
                                           "zero.quantized_weights=true", "zero.quantized_gradients=true"]),
     "fp8_zero3_hpz2": (2, ["precision=fp8", "zero.stage=3", "zero.hpz_size=2", "parallel.ranks_per_node=2"]),
-    "fp8_fp16_gemm_zero3_hpz2": (2, ["precision=fp8", "fp8.gemm=fp16", "zero.stage=3", "zero.hpz_size=2",
-                                     "parallel.ranks_per_node=2"]),
 }
 
 
