@@ -170,9 +170,13 @@ def test_fp8_model_state_is_6_bytes_a_parameter(gemm):
 @pytest.mark.parametrize("world,overrides", [(1, []), (2, ["zero.stage=3"])])
 def test_fp8_resume_repeats_the_uninterrupted_losses(tmp_path, world, overrides, gemm):
     """mu doubles after every clean step (interval 1) and halves on overflow, delayed scaling keeps 4 steps of
-    history: a resume that lost mu, the histories, the scales or the FP8 optimizer state would differ (fp16
-    GEMMs: the loss scaler's state too, and no FP8 scaling state at all)."""
+    history: a resume that lost mu, the histories, the scales or the FP8 optimizer state would differ. fp16 GEMMs
+    (no FP8 scaling state at all): the loss scale starts where the tiny model's fp16 gradients overflow and grows
+    every clean step, so steps are skipped and S and mu both move inside the window (a resume that lost the
+    scaler's state would differ too)."""
     over = [FP8, f"fp8.gemm={gemm}", "fp8.mu_growth_interval=1", "fp8.amax_history_len=4", *overrides]
+    if gemm == "fp16":
+        over += ["loss_scale.initial=16777216", "loss_scale.growth_interval=1"]
     straight = run_world(checkpoint_worker, world, over, "none", 6, str(tmp_path / "a"))
     run_world(checkpoint_worker, world, over, "fresh", 3, str(tmp_path / "b"))
     resumed = run_world(checkpoint_worker, world, over, "resume", 6, str(tmp_path / "b"))
