@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import functools
+import io
 import os
 import typing
 from typing import List, Optional
@@ -22,9 +23,10 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
     try:
         if yaml_path is not None:
             check_config_size(yaml_path)
-            layers.append(OmegaConf.load(yaml_path))
-            with open(yaml_path, encoding="utf-8") as f:
-                _numbers_as_written(layers[0], yaml.compose(f.read(), Loader=yaml.SafeLoader), "")
+            with open(yaml_path, encoding="utf-8") as f:  # read once: omegaconf's values, and YAML's nodes
+                text = f.read()
+            layers.append(OmegaConf.load(io.StringIO(text)))
+            _numbers_as_written(layers[0], yaml.compose(text, Loader=yaml.SafeLoader), "")
         if overrides:
             bad = [o for o in overrides if "=" not in o]
             if bad:
@@ -72,9 +74,8 @@ def check_config_size(path: str) -> None:
                           f"{MAX_CONFIG_BYTES // 2**20} MiB (config.MAX_CONFIG_BYTES): is it the right file?")
 
 
-@functools.lru_cache(maxsize=None)
-def _string_keys() -> frozenset:
-    """Dotted keys of the string settings (``str`` or ``Optional[str]``), from the schema (once)."""
+def _keys_of(*types) -> frozenset:
+    """Dotted keys of the schema's settings whose type is one of ``types``."""
 
     def walk(cls: type, prefix: str):
         hints = typing.get_type_hints(cls)
@@ -82,26 +83,22 @@ def _string_keys() -> frozenset:
             t = hints[f.name]
             if dataclasses.is_dataclass(t):
                 yield from walk(t, f"{prefix}{f.name}.")
-            elif t is str or t == Optional[str]:
+            elif t in types:
                 yield prefix + f.name
 
     return frozenset(walk(Config, ""))
+
+
+@functools.lru_cache(maxsize=None)
+def _string_keys() -> frozenset:
+    """Dotted keys of the string settings (``str`` or ``Optional[str]``), from the schema (once)."""
+    return _keys_of(str, Optional[str])
 
 
 @functools.lru_cache(maxsize=None)
 def _string_list_keys() -> frozenset:
     """Dotted keys of the list-of-strings settings (``List[str]`` or ``Optional[List[str]]``: data.paths)."""
-
-    def walk(cls: type, prefix: str):
-        hints = typing.get_type_hints(cls)
-        for f in dataclasses.fields(cls):
-            t = hints[f.name]
-            if dataclasses.is_dataclass(t):
-                yield from walk(t, f"{prefix}{f.name}.")
-            elif t in (List[str], Optional[List[str]]):
-                yield prefix + f.name
-
-    return frozenset(walk(Config, ""))
+    return _keys_of(List[str], Optional[List[str]])
 
 
 def _is_number(value) -> bool:

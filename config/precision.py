@@ -9,10 +9,15 @@ from __future__ import annotations
 from config.schema import Config, Fp8Config
 
 
+def fp8_gemms(f: Fp8Config) -> bool:
+    """Whether the linears' GEMMs run in FP8 (not emulated; an unresolved ``auto`` counts as FP8)."""
+    return f.gemm in ("fp8", "auto") and not f.emulate
+
+
 def fp8_operands(f: Fp8Config) -> bool:
     """Whether FP8 linears cast their GEMM operands to FP8 (with scaling states): FP8 GEMMs, or their emulation
     around 16-bit GEMMs. False for 16-bit GEMMs, whose linears are the 16-bit ones of every other precision."""
-    return f.emulate or f.gemm in ("fp8", "auto")
+    return f.emulate or fp8_gemms(f)
 
 
 def compute_precision(cfg: Config) -> str:
@@ -26,7 +31,7 @@ def compute_precision(cfg: Config) -> str:
 def gemm_precision(cfg: Config) -> str:
     """The dtype the linear layers' GEMMs run in (what their peak FLOP/s is read for): fp8 where FP8 GEMMs run
     (not emulated), else ``compute_precision``."""
-    if cfg.precision == "fp8" and cfg.fp8.gemm in ("fp8", "auto") and not cfg.fp8.emulate:
+    if cfg.precision == "fp8" and fp8_gemms(cfg.fp8):
         return "fp8"
     return compute_precision(cfg)
 

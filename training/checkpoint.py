@@ -141,9 +141,8 @@ def _write_json(path: Path, obj: Any) -> None:
 
 class Checkpointer:
     def __init__(self, cfg: Config, directory: str, engine: Engine):
-        # the engine's config where it resolved one (precision=fp8: fp8.gemm by the device), for meta.json
-        self.cfg = engine.cfg if isinstance(getattr(engine, "cfg", None), Config) else cfg
-        self.engine, self.mesh = engine, engine.mesh
+        # the engine's config: ``cfg`` with what the engine resolved (precision=fp8: fp8.gemm by the device)
+        self.cfg, self.engine, self.mesh = engine.cfg, engine, engine.mesh
         self.dir = Path(directory)
         self.world = self.mesh.world
         self.data_fingerprint: Optional[Dict[str, Any]] = None
