@@ -39,7 +39,6 @@ import os
 import re
 import shutil
 import sys
-import tempfile
 from pathlib import Path
 from typing import Any, Dict, List, Tuple
 
@@ -50,6 +49,7 @@ import torch  # noqa: E402
 
 from model.hf import (ARCHITECTURES, HFError, check_output_dir, export_problems, first_non_finite,  # noqa: E402
                       hf_config, hf_model_type, model_config, to_hf)
+from scripts._hf_staging import publish, staging_dir  # noqa: E402
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
@@ -319,35 +319,6 @@ def check_output(out: Path, force: bool, step_dir: Path) -> Path:
     return real
 
 
-def _staging_dir(out: Path) -> Path:
-    """An empty directory beside ``out`` (on its file system) to write the export into, readable as ``out``
-    would be."""
-    out.parent.mkdir(parents=True, exist_ok=True)
-    staging = Path(tempfile.mkdtemp(prefix=f".{out.name}.export_hf-", dir=out.parent))
-    umask = os.umask(0)
-    os.umask(umask)
-    os.chmod(staging, 0o777 & ~umask)  # mkdtemp creates it 0700
-    return staging
-
-
-def _publish(staging: Path, out: Path) -> None:
-    """Move a complete export from ``staging`` to ``out``: one rename where ``out`` does not exist; else the
-    previous directory is renamed aside, the new one in, and the previous one removed, so that ``out`` holds exactly
-    this export and nothing of the previous one. Where the second rename fails the previous directory is put back."""
-    if not os.path.lexists(out):
-        os.rename(staging, out)
-        return
-    aside = Path(tempfile.mkdtemp(prefix=f".{out.name}.export_hf-previous-", dir=out.parent))
-    os.rename(out, aside / out.name)
-    try:
-        os.rename(staging, out)
-    except OSError:
-        os.rename(aside / out.name, out)
-        aside.rmdir()
-        raise
-    shutil.rmtree(aside, ignore_errors=True)
-
-
 def read_settings(step_dir: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
     """(meta.json, its model settings checked by type and range as training checks them); HFError naming the key
     otherwise. Model settings this version does not know are ignored."""
@@ -420,7 +391,7 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
     if broken is not None:  # finite before: too large for the dtype
         raise HFError(f"{broken[0]} holds values beyond {dtype}'s range ({broken[1]} as {dtype}): export with "
                       "--dtype bfloat16 or float32")
-    staging = _staging_dir(out)
+    staging = staging_dir(out)
     try:
         files = write_weights(tensors, staging, max_bytes)
         bos, eos = write_tokenizer(tok, staging, m.max_positions) if tok is not None else (None, None)
@@ -430,7 +401,7 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
             verify_tokenizer(staging, tok, family)
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos})
                                                         + "\n")
-        _publish(staging, out)
+        publish(staging, out)
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files, "architecture": ARCHITECTURES[family],
