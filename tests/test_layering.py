@@ -31,7 +31,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
      ["parallel.tensor_parallel", "parallel.cross_entropy", "parallel.optim_rules", "parallel.cpu_gemm"]),
     ("model: the GPT from parallel-aware layers, its FLOPs, Hugging Face mapping", ["model"]),
     ("data-parallel strategies and accounting: stage 0, ZeRO 1-3 and ZeRO++, FP8-LM's ZeRO, analytic bytes",
-     ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "parallel.volume"]),
+     ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint", "parallel.volume"]),
     ("training: engine, loop, checkpoints, metrics, memory estimate", ["training"]),
     ("entry points: train.py and scripts/", ["train", "scripts"]),
 ]
