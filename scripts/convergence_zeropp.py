@@ -1,13 +1,15 @@
 """Does ZeRO++ (and 4-bit communication) converge like plain ZeRO? Train the same job under each and print the
 losses side by side.
 
-    python scripts/convergence_zeropp.py                     # 300 steps, bf16, 4 ranks as 2 nodes x 2
+    python scripts/convergence_zeropp.py                     # 300 steps, bf16, 4 ranks as 2 nodes x 2, seeds 1 2 3
     python scripts/convergence_zeropp.py --steps 150 --rows zero3 zeropp_4bit zeropp_4bit_direct
+    python scripts/convergence_zeropp.py --steps 150 --rows zeropp_4bit --seeds 98 99 100
 
 Every row is the real trainer (``train.py`` under ``torchrun --nproc-per-node 4``) on the bundled
 sample corpus with ``parallel.ranks_per_node=2`` (two simulated nodes, so qgZ's intra- and
-inter-node hops and hpZ's node-local group are real), the same seed, data order and batch. Each row
-is compared with the plain run of its ZeRO stage (its *baseline*):
+inter-node hops and hpZ's node-local group are real), the same data and batch. Every row runs once
+per seed (``--seeds``, train.seed; default 1 2 3) and each run is compared with the plain run of its
+ZeRO stage with the same seed (its *baseline*):
 
   zero3               zero.stage=3
   qwz / hpz / qgz     + int8 quantized weight all-gather / secondary shards over a node / int4 gradient reduce
@@ -19,10 +21,12 @@ is compared with the plain run of its ZeRO stage (its *baseline*):
   zero1_4bit, zero2_4bit  4-bit weight differences in the post-step gather, two-level gradients (8 bits
                       inside the node, 4 across, Hadamard) in the reduce-scatter
 
-Printed: final training loss (the last step's, and the mean of the last 10% of steps, less noisy),
-final validation loss and its difference to the baseline's, and the counted inter-node bytes of a step
-(rank 0's ``comm.by_link.inter`` x 4 ranks) against the baseline's. The issues' bar: final validation
-loss within 1% of the baseline's. A script, not a test: it takes minutes.
+Printed, a line per row and seed: final training loss (the last step's, and the mean of the last 10% of
+steps, less noisy), final validation loss and its difference to the same seed's baseline (the *gap*),
+and the counted inter-node bytes of a step (rank 0's ``comm.by_link.inter`` x 4 ranks) against the
+baseline's. Then per row: each seed's gap, their mean, min..max and sample standard deviation. The
+issues' bar: the mean gap of the final validation loss within 1% (one seed can move a gap by more than
+a point: the row says how many single seeds held it too). A script, not a test: it takes minutes a run.
 """
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ import tempfile
 from pathlib import Path
 
 import _cli
+import _seeds
 
 ROOT = Path(__file__).resolve().parents[1]
 QWD4 = ["zero.quantized_weights=true", "zero.weight_bits=4", "zero.weight_delta=true"]
@@ -72,11 +77,13 @@ def check_input(args, rows: list) -> None:
     from parallel.layout import make_layout
 
     _cli.at_least(args.steps, 1, "--steps")
+    _seeds.check(args.seeds, args.overrides)
     if args.out:
         _cli.output_dir(args.out, "--out")
     for name in rows:
-        cfg = _cli.load_config(None, train_overrides(ROWS[name][1], args, Path("run")))
-        validate_config(cfg)
+        for seed in args.seeds:
+            cfg = _cli.load_config(None, train_overrides(ROWS[name][1] + [f"train.seed={seed}"], args, Path("run")))
+            validate_config(cfg)
         make_layout(cfg, 4, 2)
     _cli.check_run_data(cfg)  # the data and tokenizer the overrides name (the same for every row)
 
@@ -106,6 +113,7 @@ def main(argv=None) -> int:
     ap = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     ap.add_argument("--steps", type=int, default=300)
     ap.add_argument("--rows", nargs="+", default=DEFAULT_ROWS, choices=list(ROWS))
+    _seeds.add_argument(ap)
     ap.add_argument("--out", default=None, help="keep the runs here (default: a temporary directory)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every row")
     args = ap.parse_args(argv)
@@ -115,27 +123,35 @@ def main(argv=None) -> int:
             if r not in rows:
                 rows.append(r)
     check_input(args, rows)
+    results = {}  # (row, seed): the run's figures
     with tempfile.TemporaryDirectory() as tmp:
         out_dir = Path(args.out or tmp).absolute()  # train.py runs in ROOT: no relative run dirs
-        results = {}
-        for name in rows:
-            results[name] = run(name, ROWS[name][1], args, out_dir)
-            print(f"[convergence] {name}: {results[name]}", file=sys.stderr, flush=True)
-    print(f"\n{args.steps} steps, bf16, 4 ranks as 2 nodes x 2, bundled corpus\n")
-    print("| run | baseline | final train loss | mean of last 10% | final val loss | val vs baseline | "
+        for seed in args.seeds:  # seed by seed: an interrupted sweep has whole seeds in its log
+            for name in rows:
+                r = results[name, seed] = run(f"{name}-seed{seed}", ROWS[name][1] + [f"train.seed={seed}"], args,
+                                              out_dir)
+                print(f"[convergence] {name} seed {seed}: {r}", file=sys.stderr, flush=True)
+    print(f"\n{args.steps} steps, bf16, 4 ranks as 2 nodes x 2, bundled corpus, seeds {' '.join(map(str, args.seeds))}"
+          "\n")
+    print("| run | baseline | seed | final train loss | mean of last 10% | final val loss | val vs baseline | "
           "inter-node MiB/step | vs baseline | s/step |")
-    print("|---|---|---|---|---|---|---|---|---|")
+    print("|---|---|---|---|---|---|---|---|---|---|")
     verdicts = []
-    for name, r in results.items():
+    for name in rows:
         base_name = ROWS[name][0]
-        ref = results[base_name]
-        rel = (r["val"] - ref["val"]) / ref["val"]
-        ratio = r["inter_mib"] / ref["inter_mib"] if ref["inter_mib"] else float("nan")
-        print(f"| {name} | {base_name} | {r['final']:.4f} | {r['tail']:.4f} | {r['val']:.4f} | {100 * rel:+.2f}% | "
-              f"{r['inter_mib']:.3f} | {ratio:.3f} | {r['step_s']:.2f} |")
+        gaps, ratios = [], []
+        for seed in args.seeds:
+            r, ref = results[name, seed], results[base_name, seed]
+            rel = (r["val"] - ref["val"]) / ref["val"]
+            ratio = r["inter_mib"] / ref["inter_mib"] if ref["inter_mib"] else float("nan")
+            gaps.append(rel)
+            ratios.append(ratio)
+            print(f"| {name} | {base_name} | {seed} | {r['final']:.4f} | {r['tail']:.4f} | {r['val']:.4f} | "
+                  f"{100 * rel:+.2f}% | {r['inter_mib']:.3f} | {ratio:.3f} | {r['step_s']:.2f} |")
         if name != base_name:
-            verdicts.append(f"{name}: validation loss within 1% of {base_name}'s: {'yes' if abs(rel) <= 0.01 else 'NO'} "
-                            f"({100 * rel:+.2f}%), inter-node bytes {ratio:.3f}x")
+            verdicts.append(f"{name} vs {base_name}: final validation loss {_seeds.describe(gaps)}; "
+                            f"{_seeds.within(gaps, 0.01)}; inter-node bytes "
+                            + "..".join(sorted({f"{x:.3f}x" for x in ratios})))
     print("\n" + "\n".join(verdicts))
     return 0
 

@@ -116,10 +116,14 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
     "convergence_fp8.py": {
         **DATA_OVERRIDES,
         "out_is_a_file": ["--out", "!{text}"],
+        "repeated_seed": ["!--seeds", "1", "2", "1"],
+        "seed_override": ["!train.seed=7"],
     },
     "convergence_zeropp.py": {
         **DATA_OVERRIDES,
         "out_is_a_file": ["--out", "!{text}"],
+        "repeated_seed": ["!--seeds", "1", "2", "1"],
+        "seed_override": ["!train.seed=7"],
     },
     "estimate_memory.py": {
         "missing": ["--world", "4", "--config", "!{absent}.yaml"],
