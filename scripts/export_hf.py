@@ -24,12 +24,16 @@ The export is written into a temporary directory beside ``DIR`` and swapped in o
 ``DIR`` renamed aside, the new one renamed in, the previous one removed), so a failed export (bad checkpoint or
 tokenizer, full disk) leaves ``DIR`` as it was, a previous export included, and a ``--force`` export leaves
 ``DIR`` holding exactly what it wrote, nothing of the previous export (no weight shards, no tokenizer files of
-another kind of tokenizer). ``--force`` replaces only a previous export: a directory holding anything else
-(notes, a checkpoint, a repository) is refused naming it, as are the root, a home directory, this repository,
-the current directory and the checkpoint's. Checkpoint weights holding NaN or inf are refused naming the first
-such tensor (as ``--dtype float16`` values beyond its range are), and so is a tokenizer other than the one the
-checkpoint was trained with, compared by content as training compares the data's tokenizer (the tokenizer at its
-data.tokenizer, the tokenizer records of the data it read; a copy anywhere passes).
+another kind of tokenizer). The temporary directory (``.<name>.export_hf-*``) holds a marker naming its process:
+an export that was killed leaves it, and the next export to ``DIR`` removes those whose process has ended (putting
+the previous export back where the kill fell mid-swap) and names in one line those it leaves (no marker, a process
+still running or on another host). ``--force`` replaces only a previous export: a directory holding anything
+else (notes, a checkpoint, a repository, an entry named like a temporary directory) is refused naming it, as
+are the root, a home directory, this repository, the current directory and the checkpoint's. Checkpoint weights
+holding NaN or inf are refused naming the first such tensor (as ``--dtype float16`` values beyond its range are),
+and so is a tokenizer other than the one the checkpoint was trained with, compared by content as training compares
+the data's tokenizer (the tokenizer at its data.tokenizer, the tokenizer records of the data it read; a copy
+anywhere passes).
 """
 from __future__ import annotations
 
@@ -49,16 +53,16 @@ import torch  # noqa: E402
 
 from model.hf import (ARCHITECTURES, HFError, check_output_dir, export_problems, first_non_finite,  # noqa: E402
                       hf_config, hf_model_type, model_config, to_hf)
-from scripts._hf_staging import publish, staging_dir  # noqa: E402
+from scripts._hf_staging import publish, staging_dir, sweep  # noqa: E402
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
 DTYPES = {"float32": torch.float32, "bfloat16": torch.bfloat16, "float16": torch.float16}
 _UNITS = {"": 1, "B": 1, "KB": 10**3, "MB": 10**6, "GB": 10**9, "KIB": 2**10, "MIB": 2**20, "GIB": 2**30}
 EXPORT_FILES = re.compile(r"^(config\.json|generation_config\.json|model(-\d{5}-of-\d{5})?\.safetensors|"
                           r"model\.safetensors\.index\.json|tokenizer\.model|tokenizer\.json|tokenizer_config\.json|"
-                          r"special_tokens_map\.json|\.export_hf-.*)$")
-"""Every name an export writes (and the staging directories of an interrupted export by an earlier version,
-which wrote them inside the export): --force replaces only a directory holding nothing else."""
+                          r"special_tokens_map\.json)$")
+"""Every file an export writes: --force replaces only a directory holding nothing else (an entry merely named like
+a staging directory, ``.export_hf-*``, is not provably an export's: it is refused too)."""
 
 
 def parse_size(text: str) -> int:
@@ -196,7 +200,8 @@ def check_trained(tok, meta: Dict[str, Any], step_dir: Path, override: str | Non
         raise HFError(str(e)) from None
     if not checked and override:
         print(f"[export] note: nothing left tells which tokenizer {step_dir} was trained with (its data.tokenizer "
-              f"is not found, its data records none): --tokenizer {override} is taken on trust", file=sys.stderr, flush=True)
+              f"is not found, its data records none): --tokenizer {override} is taken on trust", file=sys.stderr,
+              flush=True)
 
 
 def write_tokenizer(tok, out: Path, max_positions: int) -> Tuple[int | None, int]:
@@ -293,7 +298,8 @@ def check_output(out: Path, force: bool, step_dir: Path) -> Path:
     cannot be one (a file, under a file), is not empty without ``force``, or with ``force`` is not a previous
     export: ``--force`` replaces the whole directory, so one holding anything an export does not write (notes, a
     checkpoint, a repository) or that is a place no export belongs (the root, a home directory, the repository, the
-    current directory or one above it, the checkpoint's) is refused, naming what it holds."""
+    current directory or one above it, the checkpoint's) is refused, naming what it holds. What killed exports left
+    beside it is cleared first (``_hf_staging.sweep``)."""
     check_output_dir(out)
     real = Path(os.path.realpath(out))
     places = {Path("/"): "the root directory", Path(os.path.realpath(os.path.expanduser("~"))): "a home directory",
@@ -305,12 +311,12 @@ def check_output(out: Path, force: bool, step_dir: Path) -> Path:
                           + ": an export replaces its --output as a whole; give a directory of its own")
     if Path(os.path.realpath(step_dir)) in real.parents:
         raise HFError(f"--output {out} lies inside the checkpoint {step_dir}; give a directory outside it")
+    sweep(real, "export_hf", "[export]")  # before the emptiness check: it may put a previous export back
     if not real.is_dir() or not any(real.iterdir()):
         return real
     if not force:
         raise HFError(f"--output {out} is not empty (pass --force to replace the export in it)")
-    foreign = sorted(p.name for p in real.iterdir() if not EXPORT_FILES.match(p.name)
-                     or (p.is_dir() and not p.name.startswith(".export_hf-")))
+    foreign = sorted(p.name for p in real.iterdir() if not EXPORT_FILES.match(p.name) or not p.is_file())
     if foreign or not (real / "config.json").is_file():
         held = f"holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which no export writes" \
             if foreign else "has no config.json"
@@ -391,7 +397,7 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
     if broken is not None:  # finite before: too large for the dtype
         raise HFError(f"{broken[0]} holds values beyond {dtype}'s range ({broken[1]} as {dtype}): export with "
                       "--dtype bfloat16 or float32")
-    staging = staging_dir(out)
+    staging = staging_dir(out, "export_hf")
     try:
         files = write_weights(tensors, staging, max_bytes)
         bos, eos = write_tokenizer(tok, staging, m.max_positions) if tok is not None else (None, None)
@@ -401,11 +407,11 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
             verify_tokenizer(staging, tok, family)
         (staging / "generation_config.json").write_text(json.dumps({"bos_token_id": bos, "eos_token_id": eos})
                                                         + "\n")
-        publish(staging, out)
+        publish(staging, out, "export_hf")
     finally:
         shutil.rmtree(staging, ignore_errors=True)  # gone already when published
-    return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files, "architecture": ARCHITECTURES[family],
-            "parameters": sum(t.numel() for t in tensors.values())}
+    return {"checkpoint": str(step_dir), "step": meta.get("step"), "files": files,
+            "architecture": ARCHITECTURES[family], "parameters": sum(t.numel() for t in tensors.values())}
 
 
 def main(argv=None) -> int:

@@ -427,6 +427,77 @@ def test_a_failed_swap_puts_the_previous_export_back(tp2_pp2, tmp_path, monkeypa
     assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"], "a temporary directory was left beside the export"
 
 
+
+# ---- what a killed export leaves beside --output: removed by the next export only when provably its own --------
+
+def dead_pid() -> int:
+    proc = subprocess.Popen([sys.executable, "-c", ""])
+    proc.wait()
+    return proc.pid
+
+
+def left_by(out: Path, tool: str, role: str = "staging", files=("model.safetensors",), **owner) -> Path:
+    """A staging directory as a run of ``tool`` killed while writing ``out`` leaves it: its marker says ``owner``
+    (pid, host), and it holds ``files``."""
+    from scripts._hf_staging import MARKER, staging_dir
+
+    d = staging_dir(out, tool, role)
+    marker = json.loads((d / MARKER).read_text())
+    (d / MARKER).write_text(json.dumps({**marker, **owner}))
+    for name in files:
+        (d / name).parent.mkdir(parents=True, exist_ok=True)
+        (d / name).write_bytes(b"partial")
+    return d
+
+
+def test_the_next_export_removes_what_killed_exports_left_and_only_that(tp2_pp2, tmp_path, capsys):
+    """Staging directories whose marker proves them an export's and whose process has ended are removed; one of a
+    running process, one made on another host and an entry merely named like one are left, named in one line."""
+    out = tmp_path / "hf"
+    dead = left_by(out, "export_hf", pid=dead_pid())
+    running = left_by(out, "export_hf")  # this process's
+    remote = left_by(out, "export_hf", host="another-node")
+    mine = tmp_path / ".hf.export_hf-notes"  # a user's, no marker
+    (mine / "notes.txt").parent.mkdir()
+    (mine / "notes.txt").write_text("mine")
+    capsys.readouterr()
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--no-tokenizer") == 0
+    err = capsys.readouterr().err.splitlines()
+    assert not dead.exists() and running.is_dir() and remote.is_dir() and (mine / "notes.txt").read_text() == "mine"
+    assert sorted(p.name for p in tmp_path.iterdir()) == sorted(["hf", running.name, remote.name, mine.name])
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "generation_config.json", "model.safetensors"]
+    removed = [line for line in err if line.startswith("[export] beside")]
+    assert len(removed) == 1 and f"removed {dead.name} (pid " in removed[0] and "has ended" in removed[0], err
+    left = [line for line in err if line.startswith("[export] note: left beside")]
+    assert len(left) == 1 and f"{running.name} (pid {os.getpid()} " in left[0] and "still running" in left[0], err
+    assert f"{remote.name} (made on host another-node)" in left[0] and f"{mine.name} (it holds no " in left[0], err
+    # --force replaces only a previous export: an entry inside it merely named like a staging directory is refused
+    (out / ".export_hf-notes").mkdir()
+    (out / ".export_hf-notes" / "notes.txt").write_text("mine")
+    assert export("--checkpoint", tp2_pp2, "--output", out, "--force", "--no-tokenizer") == 2
+    err = capsys.readouterr().err.strip().splitlines()[-1]
+    assert err == f"error: --output {out} holds .export_hf-notes, which no export writes: it is not a previous " \
+                  "export, and --force replaces the whole directory (move that away, or give another --output)"
+    assert (out / ".export_hf-notes" / "notes.txt").read_text() == "mine" and (out / "config.json").is_file()
+
+
+def test_an_export_killed_mid_swap_leaves_the_previous_export_to_be_put_back(tp2_pp2, tmp_path, capsys):
+    """Killed after the previous export was moved aside and before the new one was moved in: --output is missing;
+    the next export puts the previous one back (so, without --force, it refuses to replace it) and removes the
+    complete staging directory."""
+    out = tmp_path / "hf"
+    pid = dead_pid()
+    aside = left_by(out, "export_hf", "previous", files=("hf/config.json", "hf/model.safetensors"), pid=pid)
+    staged = left_by(out, "export_hf", files=("config.json", "model.safetensors"), pid=pid)
+    capsys.readouterr()
+    assert export("--checkpoint", tp2_pp2, "--output", out) == 2
+    err = capsys.readouterr().err.strip().splitlines()
+    assert len(err) == 2 and f"put the previous hf back from {aside.name}" in err[0], err
+    assert f"removed {staged.name}" in err[0] and "not empty (pass --force" in err[1], err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["hf"]
+    assert sorted(p.name for p in out.iterdir()) == ["config.json", "model.safetensors"]
+
+
 def poisoned(step_dir: Path, dst: Path, name: str, value: float) -> Path:
     """A copy of a checkpoint with element [0, 0] of tensor ``name`` set to ``value`` (every tensor saved again with
     DCP, the manifest rewritten), so that it verifies as a checkpoint training wrote."""
