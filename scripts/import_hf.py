@@ -1,4 +1,5 @@
-"""Import a Hugging Face Llama, Qwen2 or Mistral directory as a checkpoint train.py starts from (``checkpoint.init_from``).
+"""Import a Hugging Face Llama, Qwen2 or Mistral directory as a checkpoint train.py starts from
+(``checkpoint.init_from``).
 
     python scripts/import_hf.py --model DIR --output CHECKPOINT_DIR [--force]
 
@@ -13,22 +14,28 @@ into one; the train command is printed. The tokenizer files (``tokenizer.model``
 ``tokenizer_config.json``, ``special_tokens_map.json``, whichever DIR has) are copied next to the checkpoint;
 ``data.tokenizer`` names the sentencepiece model where there is one, else ``tokenizer.json``.
 
-Llama (Llama 3.x's ``llama3`` RoPE scaling included), Qwen2 (Qwen2.5) and Mistral models import; what we
-cannot express (other RoPE types, sliding windows, QK-norm, mixtures of experts, hidden_act other than silu,
-attention_bias != mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong
-shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused
-unless ``--force``. config.json's fields are checked by type and range before anything else (a string
-where a number or true/false belongs, a non-positive count, ``max_position_embeddings`` above
-``config.MAX_SEQ_LEN``, a list where a name belongs such as ``"model_type": ["llama"]`` or a list as
-``rope_type``: one line naming the key and its value), and weights holding NaN or inf are refused naming the
-tensor. Every bad path is one line too: a missing one, a file where a directory belongs or the reverse, random
-bytes as config.json, weights or index, an index naming files outside DIR, a ``pytorch_model.bin`` that is not a
-state dict, and a failed write of the checkpoint.
+Llama (Llama 3.x's ``llama3`` RoPE scaling included), Qwen2 (Qwen2.5) and Mistral models import; what we cannot
+express (other RoPE types, sliding windows, QK-norm, mixtures of experts, hidden_act other than silu, attention_bias
+!= mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong shapes) stop with one line
+naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused unless ``--force``, and with it unless it is
+an earlier import (nothing but the files an import writes, its meta.json recording ``imported_from``): a training
+run, its checkpoint or notes are refused naming them. The checkpoint is written whole into a temporary directory
+beside CHECKPOINT_DIR and swapped in once complete, so a failure leaves CHECKPOINT_DIR as it was, and ``--force``
+leaves nothing of the earlier import (no tokenizer file of another kind); what a killed import left beside it is
+cleared by the next, as ``export_hf.py`` does. config.json's fields are checked by type and range before anything
+else (a string where a number or true/false belongs, a non-positive count, ``max_position_embeddings`` above
+``config.MAX_SEQ_LEN``, a list where a name belongs such as ``"model_type": ["llama"]`` or a list as ``rope_type``:
+one line naming the key and its value), and weights holding NaN or inf are refused naming the tensor. Every bad path
+is one line too: a missing one, a file where a directory belongs or the reverse, random bytes as config.json,
+weights or index, an index naming files outside DIR, a ``pytorch_model.bin`` that is not a state dict, and a failed
+write of the checkpoint.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import os
+import re
 import shutil
 import sys
 import time
@@ -39,6 +46,9 @@ from typing import Any, Dict, List
 ROOT = Path(__file__).resolve().parents[1]
 TOKENIZER_FILES = ("tokenizer.model", "tokenizer.json", "tokenizer_config.json", "special_tokens_map.json")
 """Tokenizer files copied next to the checkpoint, in the order data.tokenizer prefers them."""
+IMPORT_FILES = re.compile(r"^(\.metadata|__\d+_\d+\.distcp|meta\.json|manifest\.json|model\.yaml|tokenizer\.model|"
+                          r"tokenizer\.json|tokenizer_config\.json|special_tokens_map\.json)$")
+"""Every file an import writes: --force replaces only a directory holding nothing else."""
 sys.path.insert(0, str(ROOT))  # the application runs from the repository root (like Megatron-LM)
 
 import torch  # noqa: E402
@@ -46,6 +56,7 @@ import yaml  # noqa: E402
 
 from config import Config, to_dict  # noqa: E402
 from model.hf import HFError, check_output_dir, from_hf, model_config, model_settings  # noqa: E402
+from scripts._hf_staging import MARKER, publish, staging_dir, sweep  # noqa: E402
 from training.checkpoint import FORMAT_VERSION, file_digest, model_record  # noqa: E402
 
 
@@ -131,14 +142,17 @@ def read_tokenizer(model_dir: Path, vocab_size: int) -> List[str]:
     except DataError as e:
         raise HFError(f"tokenizer: {e}") from None
     if tok.vocab_size > vocab_size:
-        raise HFError(f"{model_dir / names[0]} has {tok.vocab_size} tokens but config.json's vocab_size is {vocab_size}")
+        raise HFError(f"{model_dir / names[0]} has {tok.vocab_size} tokens but config.json's vocab_size is "
+                      f"{vocab_size}")
     return names
 
 
 def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any], out: Path, source: Path,
-                     tokenizer: Path | None) -> None:
+                     tokenizer: Path | None, into: Path | None = None) -> None:
     """A step-0 checkpoint of the model weights only (what ``checkpoint.init_from`` reads), as train.py writes
-    them: DCP files under ``model.<global name>``, meta.json (with the full config), manifest.json last."""
+    them: DCP files under ``model.<global name>``, meta.json (with the full config), manifest.json last. Written
+    into ``into`` (a staging directory that becomes ``out``), else ``out``; errors name ``out``."""
+    into = out if into is None else into
     import torch.distributed.checkpoint as dcp
 
     from torch.distributed.checkpoint.api import CheckpointException
@@ -146,7 +160,7 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
     with warnings.catch_warnings():  # "assuming the intent is to save in a single process": it is
         warnings.simplefilter("ignore", UserWarning)
         try:
-            dcp.save({f"model.{k}": t.contiguous() for k, t in tensors.items()}, checkpoint_id=str(out),
+            dcp.save({f"model.{k}": t.contiguous() for k, t in tensors.items()}, checkpoint_id=str(into),
                      no_dist=True)
         except CheckpointException as e:  # a write that failed (a full disk): DCP wraps the cause
             cause = next(iter(e.failures.values()), (None, None))[0]
@@ -161,11 +175,12 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
     model = model_record(m)  # what train.py records
     meta = {"format": FORMAT_VERSION, "step": 0, "consumed_samples": 0, "skipped_steps": 0, "config": config,
             "model": model, "layout": {"world_size": 1, "tp": 1, "pp": 1, "dp": 1, "virtual_stages": 1},
-            "data": None, "fp8": None, "weights_only": True, "imported_from": str(source), "time": time.time(), "torch": torch.__version__}
-    (out / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
-    extras = ("manifest.json", "model.yaml", *TOKENIZER_FILES)  # next to the checkpoint, not part of it
-    files = {p.name: file_digest(p) for p in sorted(out.iterdir()) if p.is_file() and p.name not in extras}
-    (out / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1,
+            "data": None, "fp8": None, "weights_only": True, "imported_from": str(source), "time": time.time(),
+            "torch": torch.__version__}
+    (into / "meta.json").write_text(json.dumps(meta, indent=1, sort_keys=True))
+    extras = ("manifest.json", "model.yaml", MARKER, *TOKENIZER_FILES)  # next to the checkpoint, not part of it
+    files = {p.name: file_digest(p) for p in sorted(into.iterdir()) if p.is_file() and p.name not in extras}
+    (into / "manifest.json").write_text(json.dumps({"format": FORMAT_VERSION, "files": files}, indent=1,
                                                   sort_keys=True))
 
 
@@ -180,23 +195,59 @@ def model_yaml(settings: Dict[str, Any], out: Path, tokenizer: Path | None) -> s
     return header + yaml.safe_dump(doc, sort_keys=False)
 
 
-def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, Any]:
-    """Convert; returns the settings (the model section) written."""
-    settings = model_settings(read_config(model_dir))
+def check_output(out: Path, force: bool) -> Path:
+    """The directory to write the checkpoint to (``out``, a symbolic link to a directory followed). HFError when it
+    cannot be one (a file, under a file), is the current directory, is not empty without ``force``, or with
+    ``force`` is not an earlier import: ``--force`` replaces the whole directory, so one holding anything an import
+    does not write (a training run, notes) or whose meta.json does not record an import (a checkpoint of a training
+    run) is refused, naming what it holds. What killed imports left beside it is cleared first (``sweep``)."""
     check_output_dir(out)
-    if out.is_dir() and any(out.iterdir()) and not force:
-        raise HFError(f"--output {out} is not empty (pass --force to write into it)")
+    real = Path(os.path.realpath(out))
+    cwd = Path(os.path.realpath(Path.cwd()))
+    if real == cwd or real in cwd.parents:
+        raise HFError(f"--output {out} " + ("is" if real == cwd else "holds") + " the current directory: an import "
+                      "replaces its --output as a whole; give a directory of its own")
+    sweep(real, "import_hf", "[import]")  # before the emptiness check: it may put an earlier import back
+    if not real.is_dir() or not any(real.iterdir()):
+        return real
+    if not force:
+        raise HFError(f"--output {out} is not empty (pass --force to replace the earlier import in it)")
+    foreign = sorted(p.name for p in real.iterdir() if not IMPORT_FILES.match(p.name) or not p.is_file())
+    if foreign:
+        raise HFError(f"--output {out} holds {', '.join(foreign[:3])}{', ...' if len(foreign) > 3 else ''}, which "
+                      "no import writes: it is not an earlier import, and --force replaces the whole directory "
+                      "(move that away, or give another --output)")
+    try:
+        meta = json.loads((real / "meta.json").read_text())
+    except (OSError, ValueError):
+        meta = None
+    if not isinstance(meta, dict) or not meta.get("imported_from") or meta.get("weights_only") is not True:
+        why = "records no imported_from (a training run's checkpoint?)" if isinstance(meta, dict) else \
+            "is missing or not JSON"
+        raise HFError(f"--output {out} is not an earlier import (its meta.json {why}): --force replaces only an "
+                      "import (move it away, or give another --output)")
+    return real
+
+
+def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, Any]:
+    """Convert; returns the settings (the model section) written. The checkpoint is written whole into a staging
+    directory beside ``out`` and swapped in once complete (``_hf_staging.publish``): a failure leaves ``out`` as it
+    was, and ``--force`` leaves exactly this import in it, nothing of the earlier one."""
+    settings = model_settings(read_config(model_dir))
+    out = check_output(out, force)
     tensors = from_hf(read_weights(model_dir), settings)
     tokenizer_files = read_tokenizer(model_dir, settings["vocab_size"])
-    out = out.resolve()
-    out.mkdir(parents=True, exist_ok=True)
-    tokenizer = None
-    for name in tokenizer_files:
-        shutil.copyfile(model_dir / name, out / name)
-    if tokenizer_files:  # what data.tokenizer names: sentencepiece's model where there is one (see read_tokenizer)
-        tokenizer = out / tokenizer_files[0]
-    write_checkpoint(tensors, settings, out, model_dir.resolve(), tokenizer)
-    (out / "model.yaml").write_text(model_yaml(settings, out, tokenizer))
+    # what data.tokenizer names: sentencepiece's model where there is one (see read_tokenizer)
+    tokenizer = out / tokenizer_files[0] if tokenizer_files else None
+    staging = staging_dir(out, "import_hf")
+    try:
+        for name in tokenizer_files:
+            shutil.copyfile(model_dir / name, staging / name)
+        write_checkpoint(tensors, settings, out, model_dir.resolve(), tokenizer, into=staging)
+        (staging / "model.yaml").write_text(model_yaml(settings, out, tokenizer))
+        publish(staging, out, "import_hf")
+    finally:
+        shutil.rmtree(staging, ignore_errors=True)  # gone already when published
     return settings
 
 
@@ -204,7 +255,7 @@ def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--model", required=True, help="Hugging Face Llama directory (config.json and weights)")
     p.add_argument("--output", required=True, help="checkpoint directory to write")
-    p.add_argument("--force", action="store_true", help="write into a non-empty --output")
+    p.add_argument("--force", action="store_true", help="replace an earlier import in --output")
     args = p.parse_args(argv)
     try:
         settings = import_model(Path(args.model), Path(args.output), force=args.force)
@@ -213,7 +264,8 @@ def main(argv=None) -> int:
         return 2
     except OSError as e:  # writing the checkpoint (a full disk, no permission, a file where a directory belongs)
         where = f" ({e.filename})" if e.filename else ""
-        print(f"error: cannot write the checkpoint to {args.output}: {e.strerror or e}{where}", file=sys.stderr)
+        print(f"error: cannot write the checkpoint to {args.output}: {e.strerror or e}{where}; {args.output} is "
+              "unchanged", file=sys.stderr)
         return 2
     out = Path(args.output).resolve()
     print(f"[import] {args.model} -> {out} ({settings['n_layers']} layers, d_model {settings['d_model']}, "

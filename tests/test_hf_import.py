@@ -327,6 +327,81 @@ def test_bad_inputs_are_one_line_errors(imported, tmp_path, capsys):
     assert not (tmp_path / "o").exists()
 
 
+
+def _snapshot(directory: Path) -> dict:
+    """Every file under ``directory`` (its path there) and its bytes."""
+    return {str(p.relative_to(directory)): p.read_bytes() for p in sorted(directory.rglob("*")) if p.is_file()}
+
+
+def test_force_swaps_in_a_whole_new_import_and_a_failed_one_changes_nothing(imported, tmp_path, capsys, monkeypatch):
+    """--force over an earlier import (sentencepiece) with a model whose tokenizer is a tokenizer.json: written
+    whole beside it and swapped in, so no tokenizer.model is left to be read as the tokenizer; a forced import that
+    fails leaves the earlier one as it was; a staging directory a killed import left beside it is removed."""
+    from tests.test_hf_export import dead_pid, left_by
+    from training.checkpoint import find_checkpoint
+
+    _, ckpt = imported
+    out = tmp_path / "ckpt"
+    assert import_model(ckpt.parent / "llama", out) == 0
+    bpe_model = tmp_path / "bpe_llama"
+    shutil.copytree(ckpt.parent / "llama", bpe_model)
+    (bpe_model / "tokenizer.model").unlink()
+    for p in (ROOT / "data" / "sample" / "bpe").iterdir():
+        shutil.copyfile(p, bpe_model / p.name)
+    before = _snapshot(out)
+
+    def disk_full(*args):
+        raise OSError(28, "No space left on device", str(out / "model.yaml"))
+
+    monkeypatch.setattr(import_hf, "model_yaml", disk_full)
+    capsys.readouterr()
+    assert import_model(bpe_model, out, "--force") == 2
+    monkeypatch.undo()
+    err = capsys.readouterr().err.strip()
+    assert len(err.splitlines()) == 1 and "No space left on device" in err and f"{out} is unchanged" in err, err
+    assert _snapshot(out) == before
+    killed = left_by(out, "import_hf", files=("__0_0.distcp",), pid=dead_pid())
+    assert import_model(bpe_model, out, "--force") == 0
+    assert f"removed {killed.name} (pid " in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["bpe_llama", "ckpt"]
+    assert sorted(p.name for p in out.iterdir()) == [".metadata", "__0_0.distcp", "manifest.json", "meta.json",
+                                                     "model.yaml", "tokenizer.json", "tokenizer_config.json"]
+    assert f"tokenizer: {out / 'tokenizer.json'}" in (out / "model.yaml").read_text()
+    assert find_checkpoint(out, "loading") == out  # verifies against its manifest
+
+
+def test_force_refuses_what_is_not_an_earlier_import(imported, tmp_path, capsys, monkeypatch):
+    """A training run, a training checkpoint, notes, the current directory: refused in one line (exit code 2),
+    nothing in them changed, instead of being replaced or mixed into."""
+    _, ckpt = imported
+    run = tmp_path / "run"  # a training run directory
+    (run / "checkpoints" / "step_00000001").mkdir(parents=True)
+    (run / "checkpoints" / "step_00000001" / "meta.json").write_text("{}")
+    (run / "metrics.jsonl").write_text("{}\n")
+    notes = tmp_path / "notes"
+    notes.mkdir()
+    (notes / "notes.txt").write_text("mine")
+    trained = tmp_path / "trained"  # a checkpoint training wrote: its meta.json records no import
+    shutil.copytree(ckpt, trained)
+    meta = json.loads((trained / "meta.json").read_text())
+    del meta["imported_from"]
+    (trained / "meta.json").write_text(json.dumps(meta))
+    snapshots = {d: _snapshot(d) for d in (run, notes, trained)}
+    capsys.readouterr()
+    for output, why in ((run, "holds checkpoints, metrics.jsonl, which no import writes: it is not an earlier "
+                              "import"), (notes, "holds notes.txt, which no import writes"),
+                        (trained, "is not an earlier import (its meta.json records no imported_from")):
+        assert import_model(ckpt.parent / "llama", output, "--force") == 2
+        err = capsys.readouterr().err.strip()
+        assert len(err.splitlines()) == 1 and err.startswith(f"error: --output {output} {why}"), err
+        assert _snapshot(output) == snapshots[output]
+    assert _snapshot(run / "checkpoints" / "step_00000001") == {"meta.json": b"{}"}
+    monkeypatch.chdir(ckpt)
+    assert import_model(ckpt.parent / "llama", Path("."), "--force") == 2
+    assert "is the current directory" in capsys.readouterr().err
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["notes", "run", "trained"]
+
+
 def test_init_from_and_load_exclude_each_other():
     from config import ConfigError, load_config, validate_config
 
