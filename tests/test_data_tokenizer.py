@@ -1,9 +1,11 @@
-"""Tests for data/tokenizer.py: training, round trips, special ids, errors."""
+"""Tests for data/tokenizer.py (and data/tokenizer_train.py): training, round trips, special ids, errors."""
 
 from __future__ import annotations
 
+import errno
 import gzip
 import json
+import os
 from pathlib import Path
 from pydoc_data.topics import topics
 
@@ -115,3 +117,27 @@ def test_training_input_errors(tmp_path: Path) -> None:
     with pytest.raises(DataError, match=r"corpus.csv: unsupported extension"):
         train_tokenizer([str(csv)], str(tmp_path / "m"), VOCAB)
     assert not (tmp_path / "m.model").exists()
+
+
+@pytest.mark.parametrize("kind", ["sentencepiece", "huggingface"])
+def test_cli_write_failure_leaves_the_earlier_tokenizer_whole(
+    tmp_path: Path, corpus: Path, capfd: pytest.CaptureFixture[str], monkeypatch: pytest.MonkeyPatch, kind: str
+) -> None:
+    """A full disk while the trained tokenizer is written: one line naming the file, exit code 2, and the tokenizer
+    written there before is left as it was (no half-written file, no temporary file left beside it)."""
+    out = tmp_path / "out"
+    out.mkdir()
+    if kind == "sentencepiece":
+        target, option = out / "tok.model", ["--model-prefix", str(out / "tok")]
+    else:
+        target, option = out / "tokenizer.json", ["--huggingface", str(out)]
+    target.write_bytes(b"the tokenizer written before")
+
+    def full_disk(fd: int) -> None:
+        raise OSError(errno.ENOSPC, os.strerror(errno.ENOSPC))
+
+    monkeypatch.setattr(os, "fsync", full_disk)
+    assert main(["--input", str(corpus), *option, "--vocab-size", str(VOCAB)]) == 2
+    assert capfd.readouterr().err == f"error: {target}: {os.strerror(errno.ENOSPC)}\n"
+    assert target.read_bytes() == b"the tokenizer written before"
+    assert [p.name for p in out.iterdir()] == [target.name]

@@ -1,5 +1,6 @@
-"""Every Python script under ``scripts/`` (and ``python -m data.preprocess``) handles bad input the way train.py
-does: one line ``error: <what is wrong>`` on stderr and exit code 2, never a traceback.
+"""Every Python script under ``scripts/`` (and ``python -m data.preprocess`` and ``python -m data.tokenizer``)
+handles bad input the way train.py does: one line ``error: <what is wrong>`` on stderr and exit code 2, never a
+traceback.
 
 Each script is run as a user runs it (``python scripts/X.py ...`` from the repository root) four times, through
 the argument it reads a file by (``--config``, ``--preset``, a checkpoint, run or trace directory, a Hugging Face
@@ -11,6 +12,9 @@ gets the four paths as stray arguments, which it must refuse the same way; scrip
 under a regular file for "missing" (a missing directory is theirs to make). A few cases per script check option
 values too (``--world 0``, ``--steps 1``, ...). Every case must fail before any real work (no namespace, rank,
 model or corpus is made), so the whole file takes seconds per script.
+
+``python -m data.tokenizer`` is called in-process (its ``main(argv)``, stdout and stderr captured at the file
+descriptors, so that sentencepiece's own logging would show): an interpreter per case would cost seconds each.
 
 Left out: ``scripts/gpu_check.sh`` (shell) and ``scripts/slurm/`` (the sbatch file, and local_slurm.py, the
 throwaway SLURM the test suite starts; tests/test_slurm.py covers it).
@@ -382,3 +386,82 @@ def test_environment_switches_are_checked_at_start_up(monkeypatch, capsys, tmp_p
     lines = [line for line in capsys.readouterr().err.splitlines() if line.strip()]
     assert code == 2 and len(lines) == 1 and name in lines[0] and repr(value) in lines[0], lines
     assert not (tmp_path / "run").exists()
+
+
+# python -m data.tokenizer: case -> (argv, what the one line must name: the input and the problem). "{name}" is a
+# path of ``hostile_files`` or of ``_tokenizer_files``.
+SPM_OUT = ["--model-prefix", "{tmp}/out/tok"]
+HF_OUT = ["--huggingface", "{tmp}/out/bpe"]
+TOKENIZER_CASES: Dict[str, Tuple[List[str], List[str]]] = {
+    "missing": (["--input", "{absent}.jsonl", *SPM_OUT, "--vocab-size", "300"], ["{absent}.jsonl", "not found"]),
+    "wrong_kind": (["--input", "{dir_jsonl}", *SPM_OUT, "--vocab-size", "300"], ["{dir_jsonl}", "is a directory"]),
+    "binary": (["--input", "{jsonl_binary}", *SPM_OUT, "--vocab-size", "300"], ["{jsonl_binary}", "not UTF-8"]),
+    "binary_hf": (["--input", "{jsonl_binary}", *HF_OUT, "--vocab-size", "300"], ["{jsonl_binary}", "not UTF-8"]),
+    "binary_gzip": (["--input", "{gz_binary}", *SPM_OUT, "--vocab-size", "300"], ["{gz_binary}", "not a gzip"]),
+    "binary_no_suffix": (["--input", "{binary}", *SPM_OUT, "--vocab-size", "300"],
+                         ["{binary}", "unsupported extension"]),
+    "malformed": (["--input", "{jsonl_malformed}", *SPM_OUT, "--vocab-size", "300"],
+                  ["{jsonl_malformed}", "line 2: invalid JSON"]),
+    "text_not_a_string": (["--input", "{jsonl_number}", *HF_OUT, "--vocab-size", "300"],
+                          ["{jsonl_number}", "record 1", "not a string"]),
+    "empty": (["--input", "{jsonl_empty}", *SPM_OUT, "--vocab-size", "300"], ["{jsonl_empty}", "no text"]),
+    "empty_hf": (["--input", "{jsonl_empty}", *HF_OUT, "--vocab-size", "300"], ["{jsonl_empty}", "no text"]),
+    "vocab_size_0": (["--input", "{jsonl_good}", *SPM_OUT, "--vocab-size", "0"],
+                     ["--vocab-size 0", "too small", "at least 260"]),
+    "vocab_size_negative": (["--input", "{jsonl_good}", *SPM_OUT, "--vocab-size", "-5"],
+                            ["--vocab-size -5", "at least 260"]),
+    "vocab_size_0_hf": (["--input", "{jsonl_good}", *HF_OUT, "--vocab-size", "0"], ["--vocab-size 0", "at least 257"]),
+    "vocab_size_huge": (["--input", "{jsonl_good}", *SPM_OUT, "--vocab-size", str(10**12)],
+                        [f"--vocab-size {10**12}", "ceiling of 4194304"]),
+    # (the tokenizers library aborted the process: "memory allocation of 72567767433232 bytes failed")
+    "vocab_size_huge_hf": (["--input", "{jsonl_good}", *HF_OUT, "--vocab-size", str(10**12)],
+                           [f"--vocab-size {10**12}", "ceiling of 4194304"]),
+    "vocab_size_not_an_integer": (["--input", "{jsonl_good}", *SPM_OUT, "--vocab-size", "1e3"],
+                                  ["--vocab-size", "'1e3'"]),
+    "vocab_size_above_the_corpus": (["--input", "{jsonl_good}", *SPM_OUT, "--vocab-size", "100000"],
+                                    ["{jsonl_good}", "Vocabulary size too high (100000)"]),
+    "no_vocab_size": (["--input", "{jsonl_good}", *SPM_OUT], ["--vocab-size"]),
+    "prefix_without_a_name": (["--input", "{jsonl_good}", "--model-prefix", "{tmp}/out/", "--vocab-size", "300"],
+                              ["{tmp}/out/", "no file name"]),
+    "prefix_under_a_file": (["--input", "{jsonl_good}", "--model-prefix", "{text}/tok", "--vocab-size", "300"],
+                            ["{text}", "is a file"]),
+    "output_dir_is_a_file": (["--input", "{jsonl_good}", "--huggingface", "{text}", "--vocab-size", "300"],
+                             ["--huggingface {text}", "is a file"]),
+    "model_type_with_hf": (["--input", "{jsonl_good}", *HF_OUT, "--vocab-size", "300", "--model-type", "bpe"],
+                           ["--model-type"]),
+}
+
+
+def _tokenizer_files(tmp: Path) -> Dict[str, str]:
+    """The inputs of TOKENIZER_CASES that ``hostile_files`` does not make."""
+    (tmp / "noise.jsonl.gz").write_bytes((tmp / "noise.bin").read_bytes())
+    (tmp / "empty.jsonl").write_bytes(b"")
+    (tmp / "number.jsonl").write_text('{"text": 5}\n')
+    return {"gz_binary": str(tmp / "noise.jsonl.gz"), "jsonl_empty": str(tmp / "empty.jsonl"),
+            "jsonl_number": str(tmp / "number.jsonl")}
+
+
+def test_tokenizer_bad_input_is_one_line_and_exit_code_2(tmp_path, capfd):
+    """``python -m data.tokenizer``'s every bad input (it was a 10-26-line traceback, exit code 1): one line naming
+    the input and the problem, exit code 2, nothing written."""
+    from data.tokenizer import main
+
+    paths = {**hostile_files(tmp_path), **_tokenizer_files(tmp_path)}
+    before = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
+    problems = []
+    for case, (argv, names) in TOKENIZER_CASES.items():
+        args = [arg.format(**paths) for arg in argv]
+        try:
+            code = main(args)
+        except SystemExit as e:  # argparse's usage errors
+            code = e.code
+        out, err = capfd.readouterr()
+        names = [name.format(**paths) for name in names]
+        answer = subprocess.CompletedProcess(["-m data.tokenizer", *args], code, out, err)
+        problem = _problem("-m data.tokenizer", case, args, names[0], answer)
+        missing = [name for name in names[1:] if name not in err]
+        problems += [problem] if problem else [f"{case}: the line does not name {missing}: {err}"] if missing else []
+    assert not problems, "\n".join(problems)
+    after = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
+    assert after == before, "a failed case wrote or changed files: " + ", ".join(
+        str(p) for p in set(after) ^ set(before) or [p for p in after if after[p] != before.get(p)])
