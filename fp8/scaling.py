@@ -50,7 +50,7 @@ the tensors cast (moved on first use, and by :meth:`Fp8Scaling.attach` to the we
 from __future__ import annotations
 
 import contextlib
-from typing import Dict, Iterator, List, Optional, Sequence, Tuple
+from typing import Callable, Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -186,14 +186,22 @@ class Fp8States:
         self.keep_weight = False
         """Within a training step (``Fp8Scaling.step_copies``): the weight's first cast is kept and reused."""
         self.weight_copy: Optional[Tuple[torch.Tensor, torch.Tensor]] = None
+        self.weight_source: Optional[Callable[[Group, bool], Tuple[torch.Tensor, torch.Tensor]]] = None
+        """Set where no 16-bit copy of the weight is kept (FP8-LM at ZeRO stage 0, ``fp8/zero.py``): makes the E4M3
+        operand and its scale from the master weights, ``(tp, record) -> (q, scale)``, with the very roundings and
+        scale rules of a cast of the 16-bit weight (``ScaleState.cast``). The layer's weight parameter then holds
+        no data (its shape and gradient only)."""
 
     def weight_operand(self, weight: torch.Tensor, tp: Group, record: bool) -> Tuple[torch.Tensor, torch.Tensor]:
         """The weight's E4M3 cast and its scale: the step's copy when one is kept (the weights change only at the
         optimizer step, so every micro-batch's cast is the first one's, bit for bit, and so is the amax it records
-        under delayed scaling), else a fresh cast."""
+        under delayed scaling), else a fresh cast (from the masters where the weight holds no data)."""
         if self.weight_copy is not None:
             return self.weight_copy
-        q, s = self.weight.cast(weight, tp, record=record)
+        if self.weight_source is not None:
+            q, s = self.weight_source(tp, record)
+        else:
+            q, s = self.weight.cast(weight, tp, record=record)
         if self.keep_weight:
             self.weight_copy = (q, s)
         return q, s
@@ -214,6 +222,30 @@ class Fp8States:
 def is_fp8_linear(module: nn.Module) -> bool:
     """True for a layer that runs its GEMMs in FP8 (it carries ``fp8_states``)."""
     return getattr(module, "fp8_states", None) is not None
+
+
+def fp8_only_weights(chunks: Sequence[nn.Module]) -> Dict[nn.Parameter, Tuple[nn.Module, int]]:
+    """The parameters whose values only an FP8 GEMM reads, each with its FP8 linear and its place among that
+    layer's operand pieces (``fp8_weight_params``: the weight, or GroupedQKVLinear's q then kv): what FP8-LM at
+    stage 0 keeps no 16-bit copy of. A weight any other module reads (an output head tied to the embedding) is not
+    one of them."""
+    found: Dict[nn.Parameter, Tuple[nn.Module, int]] = {}
+    for chunk in chunks:
+        for module in chunk.modules():
+            if is_fp8_linear(module):
+                for k, p in enumerate(module.fp8_weight_params()):
+                    found[p] = (module, k)
+    for chunk in chunks:
+        for module in chunk.modules():
+            if is_fp8_linear(module) or not getattr(module, "reads_parameters", True):
+                continue
+            for p in module._parameters.values():
+                if p is not None:
+                    found.pop(p, None)
+    for p, (module, _) in list(found.items()):  # a layer's operand comes from the masters whole, or not at all
+        if any(q not in found for q in module.fp8_weight_params()):
+            found.pop(p)
+    return found
 
 
 def _impossible(key: str, t: torch.Tensor) -> Optional[str]:
@@ -275,13 +307,20 @@ class Fp8Scaling:
         return self
 
     @contextlib.contextmanager
-    def step_copies(self) -> Iterator[None]:
-        """Within: each FP8 linear's weight is cast once, at its first forward, and that E4M3 copy serves every
-        micro-batch's forward and backward (Transformer Engine's weight caching; ``Engine.forward_backward`` holds
-        it around the step's micro-batches). Dropped at the exit: the next step's weights are new."""
+    def step_copies(self, training: bool = True) -> Iterator[None]:
+        """Within: each FP8 linear's weight is cast once and that E4M3 copy serves every micro-batch's forward and
+        backward (Transformer Engine's weight caching; ``Engine.forward_backward`` holds it around the step's
+        micro-batches). A weight with a ``weight_source`` (no 16-bit copy: FP8-LM stage 0) is cast from its masters
+        on entry, in this object's (sorted) order on every rank; the others at their first forward. Dropped at the
+        exit: the next step's weights are new. ``training=False`` (validation): only the sourced weights get a copy,
+        made without recording their amaxes (as a forward without autograd casts), the others are cast per forward
+        as before."""
         for st in self.states.values():
-            st.keep_weight, st.weight_copy = True, None
+            st.keep_weight, st.weight_copy = training, None
         try:
+            for st in self.states.values():
+                if st.weight_source is not None:
+                    st.weight_copy = st.weight_source(self.tp, training)
             yield
         finally:
             for st in self.states.values():

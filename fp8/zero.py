@@ -44,9 +44,10 @@ requantize gives back the very same bits (bitwise resume).
 """
 from __future__ import annotations
 
+import contextlib
 import math
 from functools import partial
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, Iterator, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -57,9 +58,10 @@ from fp8.device import triton_has_e4m3
 from fp8.format import E4M3, FORMATS, amax, dequantize, quantize, scale_from_amax
 from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8, _segments, cast_gradients,
                            reduce_one_rank)
+from fp8.scaling import Fp8States, fp8_only_weights
 from fp8.zero_checkpoint import Fp8Checkpointing
-from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather, materialize_packed,
-                           packed_updates, unit_square_sum, unit_update)
+from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather, cast_from_master,
+                           materialize_packed, packed_updates, unit_square_sum, unit_update)
 from model.compile import enabled as compile_enabled
 from parallel import comm
 from parallel.mesh import Mesh
@@ -98,9 +100,16 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
         self._factor_t = torch.ones((), dtype=torch.float32, device=mesh.device)
         self._scalars = torch.zeros(3, dtype=torch.float32, device=mesh.device)
         acc_dtype = COMPUTE_DTYPES[grad_accumulation_precision(cfg)]
+        # stage 0: the weights only FP8 GEMMs read keep no 16-bit working copy; their layers' E4M3 operands are cast
+        # from the masters (_weight_source)
+        sourced = fp8_only_weights(chunks) if self.stage == 0 else {}
+        self._cast_master = jit(cast_from_master) if compiled else None  # (eager: ScaleState.cast of the value)
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed, acc_dtype,
-                                                       self.compute_dtype))
+                                                       self.compute_dtype, [p for p in spec.params if p in sourced]))
+        for module in {id(m): m for m, _ in sourced.values()}.values():
+            module.fp8_states.weight_source = self._weight_source(
+                module.fp8_states, [self._where[p] for p in module.fp8_weight_params()])
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -328,12 +337,65 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
             self.working.add(unit.full_bytes)
             unit.gathered = True
         if not unit.packed:
-            for i, (a, b) in enumerate(unit.compact):
+            for i, (a, b) in unit.full_at.items():
                 unit.full[a:b] = unit.master_value(i).to(unit.full.dtype)
+        elif len(unit.kept) < unit.T:  # the tensors that keep a working copy (norms, biases, embedding): gathered
+            pk = unit.packing()
+            master = unit.master[pk["kept_elements"]]
+            if unit.master.dtype == torch.float32:
+                unit.full.copy_(master)
+            else:
+                self._materialize_packed(unit.full, master, unit.master_scale[pk["kept_index"]], pk["kept"])
         elif unit.master.dtype == torch.float32:  # packed: owned = all, where = compact (back to back)
             unit.full.copy_(unit.master)
         else:
             self._materialize_packed(unit.full, unit.master, unit.master_scale, unit.packing()["owned"])
+
+    @contextlib.contextmanager
+    @torch.no_grad()
+    def full_weights(self) -> Iterator[None]:
+        """Within: every parameter holds its 16-bit value, also the stage-0 weights that keep no working copy (given
+        theirs from the masters, the values ``_materialize`` would write; released at the exit). For code that
+        reads ``param.data`` outside the forward (inspection, export, tests); the forward needs none of it."""
+        given = []
+        for u in self.units:
+            for i in range(u.T):
+                if i not in u.full_at:
+                    p = u.params[i]
+                    p.data = u.master_value(i).to(u.full.dtype).view(p.shape)
+                    given.append((u, p))
+        try:
+            yield
+        finally:
+            for u, p in given:
+                p.data = u.placeholder.expand(p.shape)
+
+    def _weight_source(self, states: Fp8States, pieces: List[Tuple[Fp8Unit, int]]):
+        """Stage 0: an FP8 linear's E4M3 weight operand from its masters (``Fp8States.weight_source``). The value is
+        the 16-bit weight ``_materialize`` would have written (the layer's operand rows, GroupedQKVLinear's pieces
+        concatenated), cast by ``ScaleState.cast``; under train.compile, one piece under delayed scaling with its scale
+        set in one compiled pass from the master (``cast_from_master``: the same operations)."""
+        dtype = self.compute_dtype
+        rows = sum(unit.params[i].numel() // unit.params[i].shape[-1] for unit, i in pieces)
+        cols = pieces[0][0].params[pieces[0][1]].shape[-1]
+
+        def value() -> torch.Tensor:
+            parts = [unit.master_value(i).to(dtype).view(-1, cols) for unit, i in pieces]
+            return parts[0] if len(parts) == 1 else torch.cat(parts)
+
+        @torch.no_grad()
+        def source(tp, record: bool) -> Tuple[torch.Tensor, torch.Tensor]:
+            st = states.weight
+            if (self._cast_master is not None and len(pieces) == 1 and st.cfg.scaling == "delayed" and st._ready
+                    and st.scale.device == self.mesh.device):
+                unit, i = pieces[0]
+                a, b = unit.where[i]
+                scale = None if unit.master.dtype == torch.float32 else unit.master_scale[i]
+                q, s = self._cast_master(unit.master[a:b], scale, st.scale, st.pending, record, dtype)
+                return q.view(rows, cols), s
+            return st.cast(value(), tp, record=record)
+
+        return source
 
     def _start_gather(self, unit: Fp8Unit) -> None:
         if unit.gathered or unit.gather_work is not None:

@@ -11,7 +11,7 @@ import torch
 from torch import nn
 
 from fp8 import adam
-from fp8.format import E4M3, dequantize
+from fp8.format import E4M3, amax, dequantize, quantize
 from fp8.segments import Segments
 from model.compile import backend as compile_backend
 from parallel.mesh import Mesh
@@ -50,7 +50,8 @@ class Fp8Unit:
 
     def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
                  stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False,
-                 acc_dtype: torch.dtype = torch.bfloat16, work_dtype: torch.dtype = torch.bfloat16):
+                 acc_dtype: torch.dtype = torch.bfloat16, work_dtype: torch.dtype = torch.bfloat16,
+                 sourced: Sequence[nn.Parameter] = ()):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
         self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
@@ -103,10 +104,24 @@ class Fp8Unit:
         self.secondary_scale = torch.ones_like(self.master_scale) if hpz > 1 else None
         self.secondary_valid = False
         self.gathered8: Optional[torch.Tensor] = None  # the E4M3 bytes of the last gather, until release
-        # the compute working weights (bf16, or fp16 with fp16 GEMMs), materialised on demand
-        self.full = torch.zeros(self.numel, dtype=work_dtype, device=device)
-        for p, (a, b) in zip(self.params, self.compact):
-            p.data = self.full[a:b].view(p.shape)
+        # the compute working weights (bf16, or fp16 with fp16 GEMMs), materialised on demand: every tensor's, except
+        # at stage 0 the weights only FP8 GEMMs read (``sourced``: their E4M3 operands come from the masters, see
+        # Fp8DataParallel._weight_source), which keep their shape and gradient but hold one NaN, expanded (reading
+        # one gives NaN, writing fails; ``Fp8DataParallel.full_weights`` gives them their values on demand)
+        sourced = {id(p) for p in sourced}
+        self.kept = [i for i, p in enumerate(self.params) if id(p) not in sourced]
+        self.full_at: Dict[int, Tuple[int, int]] = {}
+        k = 0
+        for i in self.kept:
+            self.full_at[i] = (k, k + numels[i])
+            k += numels[i]
+        self.full = torch.zeros(k, dtype=work_dtype, device=device)
+        self.placeholder = torch.full((1,), float("nan"), dtype=work_dtype, device=device)
+        for i, p in enumerate(self.params):
+            if i in self.full_at:
+                p.data = self.full[self.full_at[i][0]:self.full_at[i][1]].view(p.shape)
+            else:
+                p.data = self.placeholder.expand(p.shape)
         self.full.untyped_storage().resize_(0)
         self.gathered, self.gather_work = False, None
         self.ledger_held = None  # (parallel/zero/sharded.py: records of a gather an optimizer step started)
@@ -131,6 +146,12 @@ class Fp8Unit:
                 "in_norm": as_tensor([bool(self.in_norm[i]) for i in self.owned], torch.bool),
                 "all_owned": list(self.owned) == list(range(len(self.params))),
                 "compact": Segments([b - a for a, b in self.compact], device)}
+            if len(self.kept) < len(self.params):  # stage 0 without the sourced weights: where their masters lie
+                where = [torch.arange(*self.where[i], device=device) for i in self.kept]
+                self._packing["kept_elements"] = torch.cat(where) if where else torch.zeros(0, dtype=torch.int64,
+                                                                                           device=device)
+                self._packing["kept_index"] = as_tensor(self.kept, torch.int64)
+                self._packing["kept"] = Segments([b - a for a, b in self.full_at.values()], device)
         return self._packing
 
     def master_value(self, i: int) -> torch.Tensor:
@@ -209,6 +230,19 @@ def materialize_packed(full: torch.Tensor, master: torch.Tensor, master_scales: 
                        segments: Segments) -> None:
     """Stage 0's working weights (``full``, 16-bit) from a unit's scaled FP16 masters, written in place."""
     full.copy_(dequantize(master, segments.spread(master_scales), full.dtype))
+
+
+def cast_from_master(master: torch.Tensor, master_scale: Optional[torch.Tensor], scale: torch.Tensor,
+                     pending: torch.Tensor, record: bool, work_dtype: torch.dtype) -> Tuple[torch.Tensor, torch.Tensor]:
+    """An FP8 linear's E4M3 weight operand straight from its master (stage 0, delayed scaling with its scale set): the
+    16-bit value the working weight would have held (``q / master_scale`` rounded to ``work_dtype``), its amax into
+    ``pending`` (where ``record``), and its cast with a copy of ``scale``: ``ScaleState.cast`` of that weight, the
+    same operations, so the same bits, without a 16-bit copy in memory (compiled: one pass over the master)."""
+    x = (master if master_scale is None else dequantize(master, master_scale, torch.float32)).to(work_dtype)
+    if record:
+        pending.copy_(torch.maximum(pending, amax(x)))
+    s = scale.clone()
+    return quantize(x, s, E4M3), s
 
 
 def _compiled_without_grad(fn):

@@ -212,6 +212,11 @@ class ColumnParallelLinear(nn.Module):
         """This rank's weight as one ``[out, in]`` matrix (fused matrices stacked) and its bias."""
         return self.weight.flatten(0, -2), (self.bias.flatten() if self.bias is not None else None)
 
+    def fp8_weight_params(self) -> List[nn.Parameter]:
+        """The parameters whose values, each as ``[-1, in]`` rows in this order, are the FP8 GEMM's weight operand
+        (``fp8/scaling.fp8_only_weights``)."""
+        return [self.weight]
+
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         weight, bias = self.weight_and_bias()
         if self.fp8_states is not None:
@@ -228,9 +233,27 @@ class LinearWeights(nn.Module):
     """The weight (and bias) of one column-parallel matrix computed inside a fused GEMM
     (``GroupedQKVLinear``): a module of its own so that its parameters keep their own global names."""
 
+    reads_parameters = False
+    """Its parameters are read by the GEMM of another module (``fp8/scaling.fp8_only_weights``)."""
+
     def __init__(self, weight: nn.Parameter, bias: Optional[nn.Parameter]):
         super().__init__()
         self.weight, self.bias = weight, bias
+
+
+class _GradientsOnlyCat(torch.autograd.Function):
+    """``torch.cat([a, b])`` for the autograd graph only: the forward reads neither (they may hold no data) and gives
+    a placeholder of the concatenation's shape (one element, expanded: nothing is allocated); the backward splits
+    the gradient between them as the concatenation's would."""
+
+    @staticmethod
+    def forward(ctx, a: torch.Tensor, b: torch.Tensor) -> torch.Tensor:
+        ctx.rows = a.shape[0]
+        return a.new_empty(1).expand(a.shape[0] + b.shape[0], *a.shape[1:])
+
+    @staticmethod
+    def backward(ctx, grad):
+        return grad[:ctx.rows], grad[ctx.rows:]
 
 
 class GroupedQKVLinear(ColumnParallelLinear):
@@ -272,6 +295,9 @@ class GroupedQKVLinear(ColumnParallelLinear):
     def parts(self) -> Tuple[LinearWeights, LinearWeights]:
         return self._parts
 
+    def fp8_weight_params(self) -> List[nn.Parameter]:
+        return [self._parts[0].weight, self._parts[1].weight]
+
     def weight_and_bias(self) -> Tuple[torch.Tensor, Optional[torch.Tensor]]:
         q, kv = self._parts
         group = self.kv_group
@@ -279,7 +305,11 @@ class GroupedQKVLinear(ColumnParallelLinear):
         def kv_(t: torch.Tensor) -> torch.Tensor:  # replicated KV: sum the holders' gradients in backward
             return (copy_to_tp(t, group) if group is not None else t).flatten(0, 1)
 
-        weight = torch.cat([q.weight, kv_(kv.weight)])
+        if self.fp8_states is not None and self.fp8_states.weight_source is not None:
+            # the FP8 operand comes from the masters: the weights hold no data, only their gradients' path
+            weight = _GradientsOnlyCat.apply(q.weight, kv_(kv.weight))
+        else:
+            weight = torch.cat([q.weight, kv_(kv.weight)])
         bias = torch.cat([q.bias, kv_(kv.bias)]) if q.bias is not None else None
         return weight, bias
 
@@ -306,6 +336,9 @@ class RowParallelLinear(nn.Module):
                      if bias else None)
         self.fp8 = fp8
         self.fp8_states = _fp8_states(fp8, "RowParallelLinear")
+
+    def fp8_weight_params(self) -> List[nn.Parameter]:
+        return [self.weight]
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if self.fp8_states is not None:

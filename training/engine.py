@@ -182,9 +182,13 @@ class Engine:
         self._compile_when_ready()
         for c in self.chunks:
             c.eval()
+        # FP8-LM stage 0: the weights that keep no 16-bit copy are cast from the masters once for the whole evaluation
+        fp8 = self.fp8_scaling
+        copies = fp8.step_copies(training=False) if fp8 is not None else contextlib.nullcontext()
         try:
-            losses = self.runner.run(batch, self.mesh.layout.num_microbatches, forward_only=True,
-                                     compute=self.autocast, dtype=self.compute_dtype)
+            with copies:
+                losses = self.runner.run(batch, self.mesh.layout.num_microbatches, forward_only=True,
+                                         compute=self.autocast, dtype=self.compute_dtype)
         finally:
             for c in self.chunks:
                 c.train()

@@ -90,13 +90,13 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
 def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
     """Working bytes ``rank`` holds between two optimizer steps (``Working.now`` after a step): ZeRO-3 with prefetch
     starts, at the end of its step, the gathers of the next forward's first ``zero.prefetch_depth`` + 1 modules of
-    the first chunk (``ZeroDataParallel._next_forward_units``) and holds them; FP8-LM at stage 0 keeps every unit's
-    16-bit working weights (bf16, or fp16 with fp8.gemm=fp16; ``fp8/zero.py``). Part of ``working_peak``, never
-    more."""
+    the first chunk (``ZeroDataParallel._next_forward_units``) and holds them; FP8-LM at stage 0 keeps the 16-bit
+    working weights (bf16, or fp16 with fp8.gemm=fp16; ``fp8/zero.py``) of every tensor but the weights only FP8 GEMMs
+    read. Part of ``working_peak``, never more."""
     z = cfg.zero
     chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
     if cfg.precision == "fp8":
-        return 0 if z.stage else 2 * sum(p.numel() for c in chunks for p in c.parameters())
+        return 0 if z.stage else 2 * _fp8_kept_numel(chunks)
     if z.stage != 3 or not z.prefetch or not chunks:
         return 0
     units, uses = chunk_units(chunks[0])
@@ -108,12 +108,22 @@ def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
                * e_c for u in ahead)
 
 
+def _fp8_kept_numel(chunks) -> int:
+    """Elements of the 16-bit working weights FP8-LM keeps at stage 0: all but the weights only FP8 GEMMs read
+    (their operands are cast from the masters: ``fp8.scaling.fp8_only_weights``)."""
+    from fp8.scaling import fp8_only_weights
+
+    sourced = fp8_only_weights(chunks)
+    return sum(p.numel() for c in chunks for p in c.parameters() if p not in sourced)
+
+
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
     """``fp8/zero.py``'s buffers: per unit, owned tensors (whole, spread over units by
     ``fp8.zero_unit.OwnerBalance``) hold master (2 or 4 bytes), FP8 gradient (1), E4M3 m (1) and FP16 v (2) a
     parameter, packed; ``fp8_weights``: stages 1-2 keep the unit's E4M3 weights (1 a parameter), stage 3 the
     owned ones and hpZ's secondary slice; T fp32 scales per buffer. Working: 16-bit weights (the compute dtype)
-    materialised per module (stages 1-3; stage 0 keeps every unit's from one optimizer step to the next) and the
+    materialised per module (stages 1-3; stage 0 keeps them from one optimizer step to the next, except the weights
+    only FP8 GEMMs read, whose E4M3 operands are cast from the masters) and the
     gradient accumulation (``fp8.grad_accumulation``: 2 or 4 bytes; the whole step's when micro-batches accumulate)."""
     z, n = cfg.zero, layout.dp
     dp_rank = layout.coords(rank)[1]
@@ -122,7 +132,7 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
 
     out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
     peaks, weights_only, grads_all, owners = [0], [0], 0, OwnerBalance(n)
-    kept = 0  # stage 0: 16-bit working weights held all the time
+    kept = 2 * _fp8_kept_numel(chunks) if z.stage == 0 else 0  # stage 0: 16-bit working weights held all the time
     for chunk in chunks:
         units, uses = chunk_units(chunk)
         full_p, full_g = [], []
@@ -143,7 +153,6 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             out["optimizer"] += 3 * owned + 8 * t
             full_p.append(2 * total if z.stage else 0)
             full_g.append(DTYPE_BYTES[grad_accumulation_precision(cfg)] * total)
-            kept += 0 if z.stage else 2 * total
         depth = z.prefetch_depth if z.prefetch else 0
         peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
         weights_only.append(_working_peak(uses, full_p, [0] * len(full_g), depth, 1))

@@ -21,7 +21,7 @@ from typing import List, Sequence
 import torch
 from torch import nn
 
-from config import Config
+from config import Config, fp8_operands
 from model.gpt import GPTChunk, chunk_layers
 from model.layers import TPContext
 from parallel.comm import Group, Ledger
@@ -74,7 +74,9 @@ def meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]
     tp = Group("tp", None, list(range(layout.tp)), 0, "intra", Ledger())
     replicas = kv_replicas(cfg.model.kv_heads, layout.tp)
     kv_group = Group("tp_kv", None, list(range(replicas)), 0, "intra", Ledger()) if replicas > 1 else None
-    ctx = TPContext(tp, layout.sequence_parallel, rng=None, kv_group=kv_group)  # type: ignore[arg-type]
+    # FP8 linears where the run casts operands to FP8 (an unresolved fp8.gemm=auto counts as FP8 GEMMs)
+    fp8 = cfg.fp8 if cfg.precision == "fp8" and fp8_operands(cfg.fp8) else None
+    ctx = TPContext(tp, layout.sequence_parallel, rng=None, fp8=fp8, kv_group=kv_group)  # type: ignore[arg-type]
     last_v = layout.pp * layout.virtual_stages - 1
     with torch.device("meta"):
         return [GPTChunk(cfg.model, ctx, layers, first=v == 0, last=v == last_v,
