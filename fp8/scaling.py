@@ -277,6 +277,10 @@ class Fp8Scaling:
         self.cfg, self.tp, self.dp = cfg, tp, dp
         self.states: Dict[str, Fp8States] = {}
         """Global layer name (``layers.0.attn.qkv``, ``head``) -> its states, in a fixed (sorted) order."""
+        self.make_copies: Optional[Callable[[bool], None]] = None
+        """Makes the sourced weights' copies (``weight_copy`` of every state with a ``weight_source``) for
+        ``step_copies``, given whether to record their amaxes: the data-parallel strategy's, which can make several
+        at once (``Fp8DataParallel.make_weight_copies``); by default each from its own source."""
 
     def attach(self, chunks: Sequence[nn.Module]) -> "Fp8Scaling":
         """Find every FP8 linear of the model chunks; name it by its global path.
@@ -311,16 +315,20 @@ class Fp8Scaling:
         """Within: each FP8 linear's weight is cast once and that E4M3 copy serves every micro-batch's forward and
         backward (Transformer Engine's weight caching; ``Engine.forward_backward`` holds it around the step's
         micro-batches). A weight with a ``weight_source`` (no 16-bit copy: FP8-LM stage 0) is cast from its masters
-        on entry, in this object's (sorted) order on every rank; the others at their first forward. Dropped at the
+        on entry (``make_copies``, or each source in this object's sorted order; the same order on every rank); the
+        others at their first forward. Dropped at the
         exit: the next step's weights are new. ``training=False`` (validation): only the sourced weights get a copy,
         made without recording their amaxes (as a forward without autograd casts), the others are cast per forward
         as before."""
         for st in self.states.values():
             st.keep_weight, st.weight_copy = training, None
         try:
-            for st in self.states.values():
-                if st.weight_source is not None:
-                    st.weight_copy = st.weight_source(self.tp, training)
+            if self.make_copies is not None:
+                self.make_copies(training)
+            else:
+                for st in self.states.values():
+                    if st.weight_source is not None:
+                        st.weight_copy = st.weight_source(self.tp, training)
             yield
         finally:
             for st in self.states.values():

@@ -60,7 +60,7 @@ from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8
                            reduce_one_rank)
 from fp8.scaling import Fp8States, fp8_only_weights
 from fp8.zero_checkpoint import Fp8Checkpointing
-from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather, cast_from_master,
+from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather, cast_unit_from_masters,
                            materialize_packed, packed_updates, unit_square_sum, unit_update)
 from model.compile import enabled as compile_enabled
 from parallel import comm
@@ -103,13 +103,22 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
         # stage 0: the weights only FP8 GEMMs read keep no 16-bit working copy; their layers' E4M3 operands are cast
         # from the masters (_weight_source)
         sourced = fp8_only_weights(chunks) if self.stage == 0 else {}
-        self._cast_master = jit(cast_from_master) if compiled else None  # (eager: ScaleState.cast of the value)
+        self._cast_unit = jit(cast_unit_from_masters) if compiled else None  # (eager: ScaleState.cast of the value)
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed, acc_dtype,
                                                        self.compute_dtype, [p for p in spec.params if p in sourced]))
+        # each unit's one-piece sourced layers (their copies made together: make_weight_copies), then the others
+        self._copy_groups: List[Tuple[Fp8Unit, List[Tuple[Fp8States, int]]]] = []
+        self._copy_others: List[Fp8States] = []
+        by_unit: Dict[int, List[Tuple[Fp8States, int]]] = {}
         for module in {id(m): m for m, _ in sourced.values()}.values():
-            module.fp8_states.weight_source = self._weight_source(
-                module.fp8_states, [self._where[p] for p in module.fp8_weight_params()])
+            pieces = [self._where[p] for p in module.fp8_weight_params()]
+            module.fp8_states.weight_source = self._weight_source(module.fp8_states, pieces)
+            if len(pieces) == 1:
+                by_unit.setdefault(id(pieces[0][0]), []).append((module.fp8_states, pieces[0][1]))
+            else:
+                self._copy_others.append(module.fp8_states)
+        self._copy_groups = [(u, sorted(by_unit[id(u)], key=lambda e: e[1])) for u in self.units if id(u) in by_unit]
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -371,31 +380,45 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
                 p.data = u.placeholder.expand(p.shape)
 
     def _weight_source(self, states: Fp8States, pieces: List[Tuple[Fp8Unit, int]]):
-        """Stage 0: an FP8 linear's E4M3 weight operand from its masters (``Fp8States.weight_source``). The value is
-        the 16-bit weight ``_materialize`` would have written (the layer's operand rows, GroupedQKVLinear's pieces
-        concatenated), cast by ``ScaleState.cast``; under train.compile, one piece under delayed scaling with its scale
-        set in one compiled pass from the master (``cast_from_master``: the same operations)."""
+        """Stage 0: an FP8 linear's E4M3 weight operand from its masters (``Fp8States.weight_source``): the 16-bit
+        weight ``_materialize`` would have written (the layer's operand rows, GroupedQKVLinear's pieces concatenated),
+        made for the cast and dropped after it, cast by ``ScaleState.cast``."""
         dtype = self.compute_dtype
-        rows = sum(unit.params[i].numel() // unit.params[i].shape[-1] for unit, i in pieces)
         cols = pieces[0][0].params[pieces[0][1]].shape[-1]
-
-        def value() -> torch.Tensor:
-            parts = [unit.master_value(i).to(dtype).view(-1, cols) for unit, i in pieces]
-            return parts[0] if len(parts) == 1 else torch.cat(parts)
 
         @torch.no_grad()
         def source(tp, record: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-            st = states.weight
-            if (self._cast_master is not None and len(pieces) == 1 and st.cfg.scaling == "delayed" and st._ready
-                    and st.scale.device == self.mesh.device):
-                unit, i = pieces[0]
-                a, b = unit.where[i]
-                scale = None if unit.master.dtype == torch.float32 else unit.master_scale[i]
-                q, s = self._cast_master(unit.master[a:b], scale, st.scale, st.pending, record, dtype)
-                return q.view(rows, cols), s
-            return st.cast(value(), tp, record=record)
+            parts = [unit.master_value(i).to(dtype).view(-1, cols) for unit, i in pieces]
+            return states.weight.cast(parts[0] if len(parts) == 1 else torch.cat(parts), tp, record=record)
 
         return source
+
+    def make_weight_copies(self, record: bool) -> None:
+        """``Fp8Scaling.step_copies``' work at stage 0: every sourced FP8 linear's E4M3 operand for the step (or the
+        validation), in a fixed order on every rank. Under train.compile a unit's one-piece layers whose delayed
+        scales are set are cast together, one compiled call a unit (``cast_unit_from_masters``: each the operations
+        of ``ScaleState.cast`` of its 16-bit weight, so the same bits; 24 calls a step at gpt_1.3b instead of 96, each
+        of which costs host time while the device waits at the step's start); the others by their
+        ``weight_source`` (the first step's just-in-time scales reduce over TP and DP: eager)."""
+        tp = self.mesh.tp
+        for unit, entries in self._copy_groups:
+            fast = [(st, i) for st, i in entries if self._cast_unit is not None and st.weight.cfg.scaling == "delayed"
+                    and st.weight._ready and st.weight.scale.device == unit.master.device]
+            if fast:
+                fp16 = unit.master.dtype != torch.float32
+                outs = self._cast_unit([unit.master[unit.where[i][0]:unit.where[i][1]] for _, i in fast],
+                                       [unit.master_scale[i] if fp16 else None for _, i in fast],
+                                       [st.weight.scale for st, _ in fast], [st.weight.pending for st, _ in fast],
+                                       record, self.compute_dtype)
+                for (st, i), (q, s) in zip(fast, outs):
+                    p = unit.params[i]
+                    st.weight_copy = (q.view(-1, p.shape[-1]), s)
+            done = {id(st) for st, _ in fast}
+            for st, _ in entries:
+                if id(st) not in done:
+                    st.weight_copy = st.weight_source(tp, record)
+        for st in self._copy_others:
+            st.weight_copy = st.weight_source(tp, record)
 
     def _start_gather(self, unit: Fp8Unit) -> None:
         if unit.gathered or unit.gather_work is not None:

@@ -89,8 +89,6 @@ LAYOUTS = {  # world, overrides
     "dp2_zero3_bf16": (2, ["precision=bf16", "zero.stage=3"]),
     "pp2_full_recompute_bf16": (2, ["precision=bf16", "parallel.pp=2", "model.activation_checkpointing=full"]),
     "fp8_delayed_packed_dp2": (2, ["precision=fp8", "zero.stage=1"]),
-    # stage 0: the FP8 linears' weights cast from the masters in one compiled pass (fp8/zero_unit.cast_from_master)
-    "fp8_delayed_packed_stage0": (1, ["precision=fp8"]),
     "fp8_current_packed": (1, ["precision=fp8", "fp8.scaling=current"]),
     "fp8_fp16_gemm_packed": (1, ["precision=fp8", "fp8.gemm=fp16"]),  # a V100's path: 16-bit linears, loss scaler
 }

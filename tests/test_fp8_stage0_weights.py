@@ -4,7 +4,8 @@ The reference is the layout that kept them (every weight's bf16 working copy mat
 step, the FP8 linear casting it at its first forward): the same engine with ``fp8.scaling.fp8_only_weights``
 answering "none", so nothing is sourced. Against it, per layout (one rank; TP 2 with sequence
 parallelism and grouped-query attention whose one KV head is replicated on both TP ranks, so the operand is
-GroupedQKVLinear's two pieces):
+GroupedQKVLinear's two pieces; one rank compiled with CUDA's packed unit work, where each unit's weights are cast in
+one compiled call):
 
 * every step's loss and a validation loss are the same bits (the E4M3 operands are the same bytes, their amaxes
   enter the same delayed-scaling histories);
@@ -20,10 +21,12 @@ from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, tiny_config
 
 FP8 = ["precision=fp8", "fp8.gemm=fp8"]
-LAYOUTS = {
-    "single": (1, []),
+LAYOUTS = {  # world, overrides, environment
+    "single": (1, [], {}),
     "tp2_sp_gqa_replicated": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.n_heads=8",
-                                  "model.n_kv_heads=1", "model.bias=true"]),
+                                  "model.n_kv_heads=1", "model.bias=true"], {}),
+    # what CUDA runs: the whole-unit updates and each unit's weights cast in one compiled call (make_weight_copies)
+    "single_compiled_packed": (1, ["train.compile=true"], {"FP8_PACKED": "1", "GPT_COMPILE_BACKEND": "aot_eager"}),
 }
 
 
@@ -52,10 +55,10 @@ def _worker(overrides, keep_copies):
 
 @pytest.mark.parametrize("name", list(LAYOUTS))
 def test_stage0_fp8_weights_come_from_the_masters_bit_for_bit(name):
-    world, overrides = LAYOUTS[name]
+    world, overrides, env = LAYOUTS[name]
     over = FP8 + overrides
-    ref = run_world(_worker, world, over, True, timeout=300)
-    out = run_world(_worker, world, over, False, timeout=300)
+    ref = run_world(_worker, world, over, True, timeout=300, env=env)
+    out = run_world(_worker, world, over, False, timeout=300, env=env)
     for r, k in zip(out, ref):
         assert r["losses"] == k["losses"] and r["valid"] == k["valid"], (r["losses"], k["losses"])
         assert not k["sourced"] and r["sourced"], "the reference keeps every copy; the layout under test does not"
@@ -73,14 +76,14 @@ def test_stage0_fp8_weights_come_from_the_masters_bit_for_bit(name):
     (torch.float16, True, False), (torch.float16, False, True), (torch.float32, True, True)],
     ids=["fp16_master_eager", "fp16_master_compiled_no_record", "fp32_master_compiled"])
 def test_cast_from_master_is_the_cast_of_the_16bit_weight(master_dtype, record, compiled):
-    """``cast_from_master`` (train.compile's one pass from the master) against ``ScaleState.cast`` of the 16-bit
-    weight the working copy held: the same E4M3 bytes, the same scale, the same pending amax; values that round in
-    bf16, saturate in E4M3 and underflow to its subnormals."""
+    """``cast_from_master`` (train.compile's one pass from the master, a unit's at once: ``cast_unit_from_masters``)
+    against ``ScaleState.cast`` of the 16-bit weight the working copy held: the same E4M3 bytes, the same scale, the
+    same pending amax; values that round in bf16, saturate in E4M3 and underflow to its subnormals."""
     from config import Fp8Config
     from fp8 import adam
     from fp8.format import E4M3
     from fp8.scaling import ScaleState
-    from fp8.zero_unit import cast_from_master
+    from fp8.zero_unit import cast_from_master, cast_unit_from_masters
 
     g = torch.Generator().manual_seed(5)
     values = torch.randn(6000, generator=g) * torch.exp2(torch.randint(-14, 3, (6000,), generator=g).float())
@@ -98,9 +101,12 @@ def test_cast_from_master_is_the_cast_of_the_16bit_weight(master_dtype, record, 
         states.append(st)
     weight = adam.master_value(master, master_scale if master_dtype == torch.float16 else None).to(torch.bfloat16)
     q_ref, s_ref = states[0].cast(weight, None, record=record)
-    fn = torch.compile(cast_from_master, backend="aot_eager") if compiled else cast_from_master
-    q, s = fn(master, master_scale if master_dtype == torch.float16 else None, states[1].scale, states[1].pending,
-              record, torch.bfloat16)
+    ms = master_scale if master_dtype == torch.float16 else None
+    if compiled:
+        [(q, s)] = torch.compile(cast_unit_from_masters, backend="aot_eager")([master], [ms], [states[1].scale],
+                                                                             [states[1].pending], record, torch.bfloat16)
+    else:
+        q, s = cast_from_master(master, ms, states[1].scale, states[1].pending, record, torch.bfloat16)
     assert q.dtype == E4M3 and torch.equal(q.view(torch.uint8), q_ref.view(torch.uint8))
     assert torch.equal(s, s_ref) and torch.equal(states[1].pending, states[0].pending)
     assert float(states[1].pending) == (max(0.5, float(weight.abs().max())) if record else 0.5)

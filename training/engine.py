@@ -76,6 +76,7 @@ class Engine:
             self.fp8_scaling = Fp8Scaling(cfg.fp8, mesh.tp, mesh.dp)
             self.fp8_scaling.attach(self.chunks)
             self.dp = Fp8DataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
+            self.fp8_scaling.make_copies = self.dp.make_weight_copies  # (stage 0: weights cast from the masters)
         elif cfg.zero.stage == 0:
             self.dp = DataParallel(cfg, mesh, self.chunks, self.params)
         else:
