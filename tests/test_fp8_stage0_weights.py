@@ -4,8 +4,8 @@ The reference is the layout that kept them (every weight's bf16 working copy mat
 step, the FP8 linear casting it at its first forward): the same engine with ``fp8.scaling.fp8_only_weights``
 answering "none", so nothing is sourced. Against it, per layout (one rank; TP 2 with sequence
 parallelism and grouped-query attention whose one KV head is replicated on both TP ranks, so the operand is
-GroupedQKVLinear's two pieces; one rank compiled with CUDA's packed unit work, where each unit's weights are cast in
-one compiled call):
+GroupedQKVLinear's two pieces; an FP8 output head, untied and tied to the embedding, which reads it and so keeps its
+copy; one rank compiled with CUDA's packed unit work, where each unit's weights are cast in one compiled call):
 
 * every step's loss and a validation loss are the same bits (the E4M3 operands are the same bytes, their amaxes
   enter the same delayed-scaling histories);
@@ -25,6 +25,9 @@ LAYOUTS = {  # world, overrides, environment
     "single": (1, [], {}),
     "tp2_sp_gqa_replicated": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.n_heads=8",
                                   "model.n_kv_heads=1", "model.bias=true"], {}),
+    # an FP8 output head: its own weight comes from the masters; tied to the embedding (which reads it) it keeps a copy
+    "single_fp8_head": (1, ["fp8.output_head=true"], {}),
+    "single_fp8_head_tied": (1, ["fp8.output_head=true", "model.tie_embeddings=true"], {}),
     # what CUDA runs: the whole-unit updates and each unit's weights cast in one compiled call (make_weight_copies)
     "single_compiled_packed": (1, ["train.compile=true"], {"FP8_PACKED": "1", "GPT_COMPILE_BACKEND": "aot_eager"}),
 }
@@ -62,9 +65,12 @@ def test_stage0_fp8_weights_come_from_the_masters_bit_for_bit(name):
     for r, k in zip(out, ref):
         assert r["losses"] == k["losses"] and r["valid"] == k["valid"], (r["losses"], k["losses"])
         assert not k["sourced"] and r["sourced"], "the reference keeps every copy; the layout under test does not"
-        # every FP8 linear's weight (qkv or GQA's q and kv, proj, up, down of each layer), nothing else
-        assert all(n.endswith(".weight") and (".attn." in n or ".mlp." in n) for n in r["sourced"]), r["sourced"]
-        assert len(r["sourced"]) == 4 * 4 + (4 if "gqa" in name else 0), r["sourced"]
+        # every FP8 linear's weight (qkv or GQA's q and kv, proj, up, down of each layer; an untied FP8 head), nothing
+        # else
+        head = name == "single_fp8_head"
+        assert all(n.endswith(".weight") and (".attn." in n or ".mlp." in n or n == "head.weight" and head)
+                   for n in r["sourced"]), r["sourced"]
+        assert len(r["sourced"]) == 4 * 4 + (4 if "gqa" in name else 0) + head, r["sourced"]
         assert r["held"] == k["held"] - 2 * r["sourced_numel"], (r["held"], k["held"], r["sourced_numel"])
         assert r["held"] == r["held_estimate"] and k["held"] == k["held_estimate"] + 2 * r["sourced_numel"]
         assert r["nan_outside"] and r["placeholders_back"]
