@@ -60,8 +60,8 @@ from fp8.grad_comm import (AutoScale, _all_reduce_fp8, _key, _reduce_scatter_fp8
                            reduce_one_rank)
 from fp8.scaling import Fp8States, fp8_only_weights
 from fp8.zero_checkpoint import Fp8Checkpointing
-from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather, cast_unit_from_masters,
-                           materialize_packed, packed_updates, unit_square_sum, unit_update)
+from fp8.zero_unit import (MASTER_DTYPES, Fp8Unit, OwnerBalance, _compiled_without_grad, _Gather,
+                           cast_unit_from_masters, materialize_packed, packed_updates, unit_square_sum, unit_update)
 from model.compile import enabled as compile_enabled
 from parallel import comm
 from parallel.mesh import Mesh
@@ -103,7 +103,8 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
         # stage 0: the weights only FP8 GEMMs read keep no 16-bit working copy; their layers' E4M3 operands are cast
         # from the masters (_weight_source)
         sourced = fp8_only_weights(chunks) if self.stage == 0 else {}
-        self._cast_unit = jit(cast_unit_from_masters) if compiled else None  # (eager: ScaleState.cast of the value)
+        # (eager: ScaleState.cast of the value; compiled with the bf16 rounding kept, or the bytes would differ)
+        self._cast_unit = _compiled_without_grad(cast_unit_from_masters, exact_casts=True) if compiled else None
         self._build_units(chunks, lambda spec: Fp8Unit(spec, owners, names, mesh, self.stage, master_dtype,
                                                        self.working, z.hpz_size, self.packed, acc_dtype,
                                                        self.compute_dtype, [p for p in spec.params if p in sourced]))

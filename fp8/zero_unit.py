@@ -253,12 +253,18 @@ def cast_unit_from_masters(masters: List[torch.Tensor], master_scales: List[Opti
                                                                                       pendings)]
 
 
-def _compiled_without_grad(fn):
+def _compiled_without_grad(fn, exact_casts: bool = False):
     """``fn`` through torch.compile, always entered with autograd off: these whole-unit operations are called
     from autograd hooks and from the step alike, and a compiled function is guarded on the grad mode it was
     entered with (each mode was a recompilation of each kind of unit: dequantize_segments reached torch's limit
-    of 8 on gpt_1.3b and ran eager from then on)."""
-    compiled = torch.compile(fn, backend=compile_backend())
+    of 8 on gpt_1.3b and ran eager from then on).
+
+    ``exact_casts``: inductor keeps a value cast to a 16-bit dtype inside a fused kernel at fp32 unless told to
+    round it (``emulate_precision_casts``): ``cast_from_master``'s bf16 rounding before the E4M3 cast was dropped
+    (on CPU 2,035 of 65,536 E4M3 bytes of a weight differed from eager's), so it compiles with the rounding kept."""
+    name = compile_backend()
+    options = {"emulate_precision_casts": True} if exact_casts and name == "inductor" else None
+    compiled = torch.compile(fn, backend=name, options=options)
 
     def run(*args, **kwargs):
         with torch.no_grad():
