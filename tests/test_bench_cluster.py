@@ -49,6 +49,17 @@ def _pids_in(namespaces):
     return out
 
 
+def _pids_once_inside(namespaces, pid: int, timeout: float = 30.0):
+    """``_pids_in`` once ``pid`` is among them: a spawned process runs ``nsenter``, which enters the namespace a moment
+    after it starts (under load, after the first look: seen on a loaded 2-core machine)."""
+    deadline = time.monotonic() + timeout
+    while True:
+        inside = _pids_in(namespaces)
+        if pid in inside or time.monotonic() > deadline:
+            return inside
+        time.sleep(0.05)
+
+
 def _alive(pid: int) -> bool:
     try:
         with open(f"/proc/{pid}/stat") as f:
@@ -92,7 +103,7 @@ def test_netemu_removes_everything_after_an_exception(tmp_path):
     with pytest.raises(RuntimeError, match="inside"):
         with netemu.Cluster("tnetexc", nodes=3, rate="1gbit", delay="0") as c:  # 3 nodes: a bridge too
             sleeper = c.spawn(1, ["sleep", "1000"], dict(os.environ), tmp_path / "sleep.log", tmp_path)
-            inside = _pids_in(_namespaces_of_prefix("tnetexc"))
+            inside = _pids_once_inside(_namespaces_of_prefix("tnetexc"), sleeper.pid)
             raise RuntimeError("inside")
     assert len(inside) >= 4 and sleeper.pid in inside, inside  # 3 holders and the sleeper
     assert _namespaces_of_prefix("tnetexc") == []
@@ -229,7 +240,7 @@ def test_an_exception_while_unshaped_removes_the_namespaces(tmp_path, state):
     with pytest.raises(RuntimeError, match="while unshaped"):
         with netemu.Cluster(prefix, nodes=2, rate="100mbit", delay="0") as c:
             sleeper = c.spawn(0, ["sleep", "1000"], dict(os.environ), tmp_path / "sleep.log", tmp_path)
-            inside = _pids_in(_namespaces_of_prefix(prefix))
+            inside = _pids_once_inside(_namespaces_of_prefix(prefix), sleeper.pid)
             if state == "context":
                 with c.unshaped():
                     assert "tbf" not in _qdisc_show(c.node_netns[0], "veth0")

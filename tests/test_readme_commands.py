@@ -352,6 +352,10 @@ def _check_script_options(cmd: Command) -> None:
         options = a[2:]
     assert source.is_file(), f"{cmd.where}: {source.relative_to(ROOT)} does not exist"
     text = source.read_text()
+    # options a shared helper beside the script adds to its parser (scripts/_seeds.py's --seeds)
+    for helper in re.findall(r"^(?:import|from) (_\w+)", text, flags=re.M):
+        if (source.parent / f"{helper}.py").is_file():
+            text += (source.parent / f"{helper}.py").read_text()
     for opt in options:
         if opt.startswith("-") and not re.fullmatch(r"-\d.*", opt):
             name = opt.split("=", 1)[0]
