@@ -2,10 +2,11 @@
 
 The reference is the layout that kept them (every weight's bf16 working copy materialised from the masters once a
 step, the FP8 linear casting it at its first forward): the same engine with ``fp8.scaling.fp8_only_weights``
-answering "none", so nothing is sourced. Against it, per layout (one rank; TP 2 with sequence
+answering "none", so nothing is sourced. Against it, per layout (TP 2 with sequence
 parallelism and grouped-query attention whose one KV head is replicated on both TP ranks, so the operand is
-GroupedQKVLinear's two pieces; an FP8 output head, untied and tied to the embedding, which reads it and so keeps its
-copy; one rank compiled with CUDA's packed unit work, where each unit's weights are cast in one compiled call):
+GroupedQKVLinear's two pieces; one rank with an FP8 output head, untied and tied to the embedding, which reads it
+and so keeps its copy; one rank compiled with CUDA's packed unit work, where each unit's weights are cast in one
+compiled call):
 
 * every step's loss and a validation loss are the same bits (the E4M3 operands are the same bytes, their amaxes
   enter the same delayed-scaling histories);
@@ -21,8 +22,7 @@ from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, tiny_config
 
 FP8 = ["precision=fp8", "fp8.gemm=fp8"]
-LAYOUTS = {  # world, overrides, environment
-    "single": (1, [], {}),
+LAYOUTS = {  # world, overrides, environment (one rank plain is the FP8-head layout's subset: not run on its own)
     "tp2_sp_gqa_replicated": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", "model.n_heads=8",
                                   "model.n_kv_heads=1", "model.bias=true"], {}),
     # an FP8 output head: its own weight comes from the masters; tied to the embedding (which reads it) it keeps a copy
