@@ -109,7 +109,6 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
                                                        self.working, z.hpz_size, self.packed, acc_dtype,
                                                        self.compute_dtype, [p for p in spec.params if p in sourced]))
         # each unit's one-piece sourced layers (their copies made together: make_weight_copies), then the others
-        self._copy_groups: List[Tuple[Fp8Unit, List[Tuple[Fp8States, int]]]] = []
         self._copy_others: List[Fp8States] = []
         by_unit: Dict[int, List[Tuple[Fp8States, int]]] = {}
         for module in {id(m): m for m, _ in sourced.values()}.values():
@@ -119,7 +118,8 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
                 by_unit.setdefault(id(pieces[0][0]), []).append((module.fp8_states, pieces[0][1]))
             else:
                 self._copy_others.append(module.fp8_states)
-        self._copy_groups = [(u, sorted(by_unit[id(u)], key=lambda e: e[1])) for u in self.units if id(u) in by_unit]
+        self._copy_groups: List[Tuple[Fp8Unit, List[Tuple[Fp8States, int]]]] = [
+            (u, sorted(by_unit[id(u)], key=lambda e: e[1])) for u in self.units if id(u) in by_unit]
         self._factor = 1.0
         self.optimizer_steps = 0
         self._staging: Optional[List[Dict[str, torch.Tensor]]] = None
@@ -403,8 +403,11 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
         ``weight_source`` (the first step's just-in-time scales reduce over TP and DP: eager)."""
         tp = self.mesh.tp
         for unit, entries in self._copy_groups:
-            fast = [(st, i) for st, i in entries if self._cast_unit is not None and st.weight.cfg.scaling == "delayed"
-                    and st.weight._ready and st.weight.scale.device == unit.master.device]
+            fast, slow = [], []
+            for st, i in entries:
+                ready = st.weight.cfg.scaling == "delayed" and st.weight._ready
+                on_device = st.weight.scale.device == unit.master.device
+                (fast if self._cast_unit is not None and ready and on_device else slow).append((st, i))
             if fast:
                 fp16 = unit.master.dtype != torch.float32
                 outs = self._cast_unit([unit.master[unit.where[i][0]:unit.where[i][1]] for _, i in fast],
@@ -414,10 +417,8 @@ class Fp8DataParallel(Fp8Checkpointing, ZeroDataParallel):
                 for (st, i), (q, s) in zip(fast, outs):
                     p = unit.params[i]
                     st.weight_copy = (q.view(-1, p.shape[-1]), s)
-            done = {id(st) for st, _ in fast}
-            for st, _ in entries:
-                if id(st) not in done:
-                    st.weight_copy = st.weight_source(tp, record)
+            for st, _ in slow:
+                st.weight_copy = st.weight_source(tp, record)
         for st in self._copy_others:
             st.weight_copy = st.weight_source(tp, record)
 
