@@ -1,9 +1,12 @@
 """The typed schema: one dataclass per section, a docstring per field, the ceilings validation checks and the
-choices of every string setting. Imports nothing of the project."""
+choices of every string setting (the optimizers' sections: ``optimizer.py``). Imports nothing of the project
+outside ``config``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
 from typing import List, Optional
+
+from config.optimizer import MUON_ADJUST_LR, OPTIMIZERS, AdafactorConfig, Adamw8bitConfig, MuonConfig
 
 
 class ConfigError(ValueError):
@@ -330,6 +333,13 @@ class TrainConfig:
     """Global batches per validation (1 to 2**16)."""
     time_limit_minutes: Optional[float] = None
     """Stop (saving a checkpoint) once this much wall-clock time has passed."""
+    optimizer: str = "adamw"
+    """adamw | adafactor | adamw8bit | muon (Muon for the blocks' matrices, AdamW for the rest): each one's settings
+    are under train.<name>, AdamW's are train.beta1, beta2, eps and weight_decay (Muon's AdamW part and 8-bit AdamW
+    use them too)."""
+    adafactor: AdafactorConfig = field(default_factory=AdafactorConfig)
+    adamw8bit: Adamw8bitConfig = field(default_factory=Adamw8bitConfig)
+    muon: MuonConfig = field(default_factory=MuonConfig)
     compile: Optional[bool] = None
     """torch.compile each transformer block and the loss (model/compile.py): null = on for CUDA, off for CPU (where
     inductor's C++ build costs more than it saves on a short run); true | false force it."""
@@ -432,6 +442,8 @@ CHOICES = {
     "model.rope_scaling": ("none", "linear", "llama3"),
     "model.activation_checkpointing": ("off", "full", "selective"),
     "precision": ("fp32", "bf16", "fp16", "fp8"),
+    "train.optimizer": OPTIMIZERS,
+    "train.muon.adjust_lr": MUON_ADJUST_LR,
     "device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
     "zero.partition": ("flat", "whole_tensor"),

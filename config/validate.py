@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from config.optimizer import validate_optimizer
 from config.schema import (CHOICES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_D_MODEL, MAX_EVAL_ITERS, MAX_FP8_MARGIN,
                            MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS, MAX_LOSS_SCALE, MAX_MICRO_BATCH_TOKENS,
                            MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN, MAX_TIMEOUT_S, MAX_VOCAB_SIZE, MU_RANGE,
@@ -158,6 +159,7 @@ def validate_config(cfg: Config) -> None:
     need(z.quant_error_interval == 0 or z.quantized_weights or z.quantized_gradients,
          f"zero.quant_error_interval={z.quant_error_interval} needs zero.quantized_weights or "
          f"zero.quantized_gradients (nothing is quantized)")
+    validate_optimizer(cfg, need)
     f = cfg.fp8
     within("fp8.amax_history_len", 1, MAX_AMAX_HISTORY, "config.MAX_AMAX_HISTORY steps")
     within("fp8.margin", 0, MAX_FP8_MARGIN, "config.MAX_FP8_MARGIN: a larger one flushes every value to zero")

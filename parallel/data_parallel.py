@@ -23,7 +23,7 @@ strictly in index order on every rank, which collectives over one group require.
 """
 from __future__ import annotations
 
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Tuple
 
 import torch
 from torch import nn
@@ -33,7 +33,8 @@ from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.comm import Group
 from parallel.mesh import Mesh
-from parallel.optim_rules import build_optimizer, local_grad_sq, unscale_and_clip
+from optimizers.tensor_rules import Entry, TensorRules
+from parallel.optim_rules import build_optimizer, local_grad_sq, unscale_and_clip, weight_decay_exempt
 from parallel.zero.dcp_view import shard_view
 
 
@@ -123,7 +124,14 @@ class DataParallel:
         self.mesh, self.params = mesh, params
         self.buckets = [GradBuckets(list(c.parameters()), mesh.dp, cfg.parallel.bucket_mb,
                                     cfg.parallel.overlap_grad_reduce) for c in chunks]
-        self.optimizer = build_optimizer(list(params.items()), cfg.train, mesh.device)
+        # train.optimizer: torch's AdamW, or the other rules tensor by tensor (optimizers/tensor_rules.py)
+        self.rules: Optional[TensorRules] = None
+        self.optimizer_steps = 0
+        if cfg.train.optimizer == "adamw":
+            self.optimizer = build_optimizer(list(params.items()), cfg.train, mesh.device)
+        else:
+            self.rules = TensorRules(cfg, mesh, [Entry(n, p.data, p.spec, not weight_decay_exempt(n, p))
+                                                 for n, p in params.items()])
         self._sp_params = [p for p in params.values() if p.spec.sequence_parallel]
         self._tied = [p for n, p in params.items() if cfg.model.tie_embeddings and mesh.layout.pp > 1
                       and (n == EMBEDDING or p.spec.shared_with == EMBEDDING)]
@@ -164,17 +172,29 @@ class DataParallel:
         return unscale_and_clip(buffers, terms[0].item(), loss_scale, max_norm)
 
     def step(self, lr: float) -> None:
+        self.optimizer_steps += 1
+        if self.rules is not None:
+            self.rules.step([p.grad for p in self.params.values()], lr, self.optimizer_steps)
+            return
         for group in self.optimizer.param_groups:
             group["lr"] = lr
         self.optimizer.step()
 
     def checkpoint_state(self, with_optimizer: bool) -> Dict[str, Dict[str, torch.Tensor]]:
-        """Per parameter name: the parameter (and AdamW moments) as DTensors on the stage's (dp, tp) mesh."""
+        """Per parameter name: the parameter (and AdamW moments) as DTensors on the stage's (dp, tp) mesh; with
+        another ``train.optimizer``, its states (``TensorRules.state_views``)."""
         mesh = self.mesh.stage_mesh()
         out: Dict[str, Dict[str, torch.Tensor]] = {}
-        for name, p in self.params.items():
+        for i, (name, p) in enumerate(self.params.items()):
             spec = p.spec
             tensors = {"model": p.data}
+            if with_optimizer and self.rules is not None:
+                offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+                views = self.rules.state_views(i, offset)
+                out[name] = {k: shard_view(g, loc, off, [(0, t.numel(), t.view(-1))], t)
+                             for k, (g, loc, off, t) in views.items()}
+                out[name]["model"] = self._model_view(p, mesh)
+                continue
             if with_optimizer:
                 st = self._adam_state(p)
                 tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
@@ -187,6 +207,14 @@ class DataParallel:
             out[name] = {k: DTensor.from_local(t, mesh, place, run_check=False) for k, t in tensors.items()}
         return out
 
+    def _model_view(self, p: nn.Parameter, mesh) -> torch.Tensor:
+        spec = p.spec
+        if spec.tp_replicas > 1:
+            offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+            return shard_view(spec.global_shape, tuple(p.shape), offset, [(0, p.numel(), p.data.view(-1))], p.data)
+        place = [Replicate(), Shard(spec.tp_dim) if spec.tp_dim is not None else Replicate()]
+        return DTensor.from_local(p.data, mesh, place, run_check=False)
+
     def _adam_state(self, p: nn.Parameter) -> Dict[str, torch.Tensor]:
         """AdamW's state of p, created as a fresh optimizer would if no step has been taken yet."""
         st = self.optimizer.state[p]
@@ -198,16 +226,29 @@ class DataParallel:
         return st
 
     def set_optimizer_steps(self, steps: int) -> None:
+        self.optimizer_steps = steps
+        if self.rules is not None:
+            return
         for p in self.params.values():
             self._adam_state(p)["step"].fill_(float(steps))
 
     def after_load(self) -> None:
-        """Parameters were loaded in place: nothing to refresh."""
+        """Parameters (and AdamW's moments) were loaded in place; 8-bit AdamW re-quantizes its moments."""
+        if self.rules is not None:
+            self.rules.after_load()
+
+    def forget_staged(self) -> None:
+        """A save is done: drop the fp32 views of 8-bit moments it wrote."""
+        if self.rules is not None:
+            self.rules.forget_staged()
 
     def memory(self) -> Dict[str, int]:
         """Bytes this rank holds now, by component."""
-        state = [t for st in self.optimizer.state.values() for t in st.values()
-                 if isinstance(t, torch.Tensor) and t.numel() > 1]
+        if self.rules is not None:
+            state = list(t for e in self.rules.entries for t in e.state.values())
+        else:
+            state = [t for st in self.optimizer.state.values() for t in st.values()
+                     if isinstance(t, torch.Tensor) and t.numel() > 1]
         return {"parameters": sum(p.numel() * p.element_size() for p in self.params.values()),
                 "gradients": sum(p.numel() * p.element_size() for b in self.buckets for p in b.params),
                 "optimizer": sum(t.numel() * t.element_size() for t in state), "working_peak": 0}

@@ -167,9 +167,10 @@ class Checkpointer:
             if p.spec.shared_with is not None and not for_load:
                 continue  # a tied copy is saved once, by its original
             state[f"model.{key}"] = entry["model"]
-            if with_optimizer:
-                for moment in ("exp_avg", "exp_avg_sq"):
-                    state[f"optim.{key}.{moment}"] = entry[moment]
+            if with_optimizer:  # AdamW's moments, or another train.optimizer's states (optimizers/tensor_rules.py)
+                for moment, t in entry.items():
+                    if moment not in ("model", "weight_reference"):
+                        state[f"optim.{key}.{moment}"] = t
                 if reference and "weight_reference" in entry:
                     state[f"optim.{key}.weight_reference"] = entry["weight_reference"]
         return state
@@ -225,6 +226,7 @@ class Checkpointer:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported below, on every rank
                 error = _save_error(e, tmp)
             finally:
+                getattr(self.engine.dp, "forget_staged", lambda: None)()  # 8-bit AdamW's fp32 views of its moments
                 getattr(self.engine.dp, "after_save", lambda: None)()  # drop staging copies (fp8)
         gathered = comm.all_gather_object((hashes, error), self.world)
         errors = [e for _, e in gathered if e]
@@ -345,6 +347,12 @@ class Checkpointer:
         mismatched = self._model_mismatch(meta)
         if mismatched:
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
+        then = ((meta.get("config") or {}).get("train") or {}).get("optimizer", "adamw")
+        same_states = {then, self.cfg.train.optimizer} <= {"adamw", "adamw8bit"}  # both keep exp_avg(_sq), fp32
+        if with_optimizer and then != self.cfg.train.optimizer and not same_states:
+            raise CheckpointError(f"checkpoint {path} was trained with train.optimizer={then}, this run uses "
+                                  f"train.optimizer={self.cfg.train.optimizer}: its optimizer state does not carry "
+                                  f"over; start from its weights with checkpoint.init_from={path}")
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
         run_fp8 = self.engine.fp8_scaling is not None
         # scales and amax histories exist where the linears cast to FP8 (not with 16-bit GEMMs: fp8.gemm); each

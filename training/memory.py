@@ -30,9 +30,11 @@ by t under SP, its TP form otherwise).
 """
 from __future__ import annotations
 
+import math
 from typing import Dict, List
 
 from config import Config, grad_accumulation_precision
+from optimizers.tensor_rules import rule_of
 from parallel.layout import Layout
 from parallel.schedule import train_schedule
 from parallel.volume import DTYPE_BYTES
@@ -51,7 +53,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         return _fp8_state_bytes(cfg, layout, rank, chunks)
     if z.stage == 0:
         phi = sum(p.numel() for c in chunks for p in c.parameters())
-        return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": 8 * phi, "working_peak": 0}
+        state = sum(optimizer_state_bytes(cfg, n, p, layout.tp) for c in chunks for n, p in c.named_parameters())
+        return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": state, "working_peak": 0}
     e_c = DTYPE_BYTES[cfg.precision]
     e_r = e_c if z.reduce_dtype == "compute" else 4
     n = layout.dp
@@ -60,9 +63,16 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     master = 0 if cfg.precision == "fp32" and not (z.stage < 3 and z.quantized_weights and n > 1) else 4
     out = dict.fromkeys(COMPONENTS, 0)
     peaks, chunk_grads = [0], []
+    dp_rank = layout.coords(rank)[1]
     for chunk in chunks:
         units, uses = chunk_units(chunk)
-        shards = [shard_layout([p.numel() for p in u.params], n, z.partition).shard_size for u in units]
+        names = {p: name for name, p in chunk.named_parameters()}
+        layouts = [shard_layout([p.numel() for p in u.params], n, z.partition) for u in units]
+        shards = [lay.shard_size for lay in layouts]
+        if cfg.train.optimizer != "adamw":  # whole tensors (zero.partition=whole_tensor): each owner's states
+            for u, lay in zip(units, layouts):
+                out["optimizer"] += sum(optimizer_state_bytes(cfg, names[u.params[i]], u.params[i], layout.tp)
+                                        for i, *_ in lay.owned(dp_rank)) - 8 * lay.shard_size
         for s in shards:
             out["parameters"] += (n * s if z.stage < 3 else s) * e_c
             if z.stage == 3 and z.hpz_size > 1:  # ZeRO++ hpZ's secondary shard
@@ -85,6 +95,27 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         out["working_peak"] = max(sum(g for g, (a, b) in zip(chunk_grads, spans) if a <= t <= b)
                                   for t in range(len(backwards)))
     return out
+
+
+def optimizer_state_bytes(cfg: Config, name: str, p, tp: int) -> int:
+    """Bytes of ``train.optimizer``'s state for parameter ``name`` (this rank's piece ``p``: shape and ``spec``)
+    on the rank that updates it (``optimizers/tensor_rules.py``): AdamW 8 a parameter (fp32 m and v); 8-bit AdamW
+    2 (8-bit codes) plus 2 fp32 absmax scales a block; Muon 4 (its fp32 momentum) for the blocks' matrices, AdamW's
+    8 for the rest; Adafactor, on the whole tensor (every TP holder keeps the same): fp32 row and column
+    statistics of each matrix of the last two dimensions, or the whole second moment of a vector."""
+    numel = p.numel()
+    rule = rule_of(cfg.train.optimizer, name, p.ndim, p.spec)
+    if rule == "adamw8bit":
+        return 2 * numel + 2 * 4 * -(-numel // cfg.train.adamw8bit.block_size)
+    if rule == "muon":
+        return 4 * numel
+    if rule == "adafactor":
+        whole = tuple(p.spec.global_shape) if p.spec.tp_dim is not None and tp > 1 else tuple(p.shape)
+        if len(whole) < 2:
+            return 4 * math.prod(whole)
+        lead = math.prod(whole[:-2])
+        return 4 * lead * (whole[-2] + whole[-1])
+    return 8 * numel
 
 
 def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
