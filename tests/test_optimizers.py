@@ -148,3 +148,92 @@ def test_one_process_equals_the_reference(kind):
         # moved apart, ~1e-7; a missing weight decay alone would move most elements by lr x wd x |p| x steps ~ 6e-5
         off = (diff > 1e-5).float().mean().item()
         assert off <= 5e-2, f"{name}: {off:.2%} of the elements differ by more than 1e-5"
+
+
+# -- every layout: against the one-process run of the same optimizer -------------------------------------------
+WHOLE = "zero.partition=whole_tensor"
+LAYOUTS = {  # world, overrides: each a DP layout, a model-parallel one and a ZeRO stage
+    "dp4": (4, []),
+    "tp2_sp_dp2_zero1": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "zero.stage=1", WHOLE]),
+    "pp2_vp2_dp2_zero2": (4, ["parallel.pp=2", "parallel.virtual_stages=2", "zero.stage=2", WHOLE]),
+    "tp2_dp2_zero3": (4, ["parallel.tp=2", "zero.stage=3", WHOLE]),
+}
+STEPS = 4
+_references: Dict[str, dict] = {}
+
+
+def _reference(kind: str) -> dict:
+    if kind not in _references:
+        _references[kind] = run_world(train_worker, 1, SETTINGS[kind], STEPS)[0]
+    return _references[kind]
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+@pytest.mark.parametrize("kind", list(SETTINGS))
+def test_layout_equals_one_process(kind, layout):
+    world, overrides = LAYOUTS[layout]
+    ref = _reference(kind)
+    out = run_world(train_worker, world, SETTINGS[kind] + overrides, STEPS)
+    assert ref["losses"][-1] < ref["losses"][0] - 0.05, "the reference must learn"
+    rtol = 1e-5
+    torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0)
+    assert abs(out[0]["val_loss"] - ref["val_loss"]) <= rtol * ref["val_loss"]
+
+
+# -- state bytes: measured = estimated -------------------------------------------------------------------------
+def memory_worker(overrides: List[str]):
+    from training.memory import model_state_bytes
+
+    cfg = tiny_config(*overrides)
+    engine = build_engine(cfg)
+    for step in range(2):
+        engine.train_step(batch_fn(engine, step))
+    per_rule: Dict[str, List[int]] = {}  # rule -> [state bytes, elements] over the matrices (ndim >= 2)
+    units = [u for u in getattr(engine.dp, "units", [])]
+    rules = [engine.dp.rules] if getattr(engine.dp, "rules", None) is not None else [u.rules for u in units]
+    for r in rules:
+        for e in r.entries:
+            if e.param.ndim >= 2 and not e.name.endswith("bias"):
+                acc = per_rule.setdefault(e.rule, [0, 0])
+                acc[0] += sum(t.numel() * t.element_size() for t in e.state.values())
+                acc[1] += e.param.numel()
+    return {"measured": engine.dp.memory(), "estimated": model_state_bytes(cfg, engine.mesh.layout, engine.mesh.rank),
+            "per_rule": per_rule}
+
+
+BYTES_PER_MATRIX_ELEMENT = {"adafactor": (0.0, 1.0), "adamw8bit": (2.0, 2.1), "muon": (4.0, 4.0)}
+
+
+@pytest.mark.parametrize("world,layout", [(1, []), (4, ["parallel.tp=2", "zero.stage=3", WHOLE]),
+                                          (2, ["zero.stage=1", WHOLE])])
+@pytest.mark.parametrize("kind", list(SETTINGS))
+def test_state_bytes_measured_equal_estimated(kind, world, layout):
+    setting = [o for o in SETTINGS[kind] if "block_size" not in o]  # 8-bit AdamW's default blocks of 256
+    out = run_world(memory_worker, world, setting + ["model.vocab_size=256"] + layout)
+    for r in out:
+        for key in ("parameters", "gradients", "optimizer"):
+            assert r["measured"][key] == r["estimated"][key], (key, r["measured"], r["estimated"])
+    if world == 1:
+        lo, hi = BYTES_PER_MATRIX_ELEMENT[kind]
+        state, numel = out[0]["per_rule"][kind]
+        assert lo <= state / numel <= hi, state / numel
+
+
+# -- resume bit for bit, and into another layout ------------------------------------------------------------
+@pytest.mark.parametrize("kind", list(SETTINGS))
+def test_resume_is_bit_for_bit_and_reshards(kind, tmp_path):
+    saved = ["parallel.tp=2", "zero.stage=3", WHOLE]  # every optimizer's states sharded by owner and by TP
+    straight = run_world(checkpoint_worker, 4, SETTINGS[kind] + saved, "none", 4, str(tmp_path / "unused"))[0]
+    run_world(checkpoint_worker, 4, SETTINGS[kind] + saved, "fresh", 2, str(tmp_path))
+    resumed = run_world(checkpoint_worker, 4, SETTINGS[kind] + saved, "resume", 4, str(tmp_path))[0]
+    assert [resumed[s] for s in (2, 3)] == [straight[s] for s in (2, 3)]  # bit for bit
+    # one process, plain DP: the whole tensors, states gathered from their owners and TP pieces
+    other = run_world(checkpoint_worker, 1, SETTINGS[kind], "resume", 4, str(tmp_path))[0]
+    torch.testing.assert_close(torch.tensor([other[s] for s in (2, 3)]),
+                               torch.tensor([straight[s] for s in (2, 3)]), rtol=1e-5, atol=0)
+
+
+def test_a_checkpoint_of_another_optimizer_is_refused_with_one_line(tmp_path):
+    run_world(checkpoint_worker, 1, SETTINGS["muon"], "fresh", 1, str(tmp_path))
+    with pytest.raises(Exception, match="train.optimizer=muon, this run uses train.optimizer=adafactor"):
+        run_world(checkpoint_worker, 1, SETTINGS["adafactor"], "resume", 2, str(tmp_path))

@@ -48,7 +48,7 @@ class Unit:
 
     def __init__(self, spec: UnitSpec, names: Dict[nn.Parameter, str], mesh: Mesh, stage: int, kind: str,
                  compute: torch.dtype, reduce: torch.dtype, working: Working, tied: bool, hpz: int = 1,
-                 quantized_gather: bool = False, weight_delta: bool = False):
+                 quantized_gather: bool = False, weight_delta: bool = False, adam: bool = True):
         self.name, self.params, self.stage, self.working, self.tied = spec.name, spec.params, stage, working, tied
         self.names = [names[p] for p in self.params]
         dp = mesh.dp
@@ -74,8 +74,11 @@ class Unit:
                 separate = compute != torch.float32 or quantized_gather
                 self.master = values[self.own].clone() if separate else self.shard
         del values
-        self.exp_avg = torch.zeros(s, dtype=torch.float32, device=mesh.device)
+        # AdamW's moments; another train.optimizer keeps its states per owned tensor (``rules``, set by the strategy)
+        self.exp_avg = torch.zeros(s if adam else 0, dtype=torch.float32, device=mesh.device)
         self.exp_avg_sq = torch.zeros_like(self.exp_avg)
+        self.rules = None  # optimizers.tensor_rules.TensorRules of the tensors this rank owns (whole_tensor)
+        self.rule_at: List[Tuple[int, int]] = []  # (tensor index, start in the shard) of each of its entries
         self.grad_full: Optional[torch.Tensor] = None
         if stage == 1:
             self.grad_full = torch.zeros(n * s, dtype=reduce, device=mesh.device)

@@ -54,7 +54,8 @@ from config import Config
 from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.mesh import Mesh
-from parallel.optim_rules import COMPUTE_DTYPES, grad_factor, unscaled_norm
+from parallel.optim_rules import COMPUTE_DTYPES, grad_factor, unscaled_norm, weight_decay_exempt
+from optimizers.tensor_rules import Entry, TensorRules
 from parallel.zero.adamw import adamw_step
 from parallel.zero.buffers import Unit, Working
 from parallel.zero.early_step import EarlyStep, early_step_applies
@@ -101,13 +102,33 @@ class ZeroDataParallel(Stage3Gathers, EarlyStep, ZeroState):
         def make_unit(spec: UnitSpec) -> Unit:
             tied = tie and any(names[p] == EMBEDDING or p.spec.shared_with == EMBEDDING for p in spec.params)
             return Unit(spec, names, mesh, self.stage, z.partition, self.compute_dtype, reduce, self.working,
-                        tied, z.hpz_size, self._quantized_step_gather(), z.weight_delta)
+                        tied, z.hpz_size, self._quantized_step_gather(), z.weight_delta,
+                        adam=cfg.train.optimizer == "adamw")
 
         self._build_units(chunks, make_unit)
+        if cfg.train.optimizer != "adamw":
+            for u in self.units:
+                self._tensor_rules(u)
         self._factor = 1.0
         self.optimizer_steps = 0
         if self.stage == 3:
             self._register_gather_hooks(chunks)
+
+    def _tensor_rules(self, u: Unit) -> None:
+        """``train.optimizer`` other than AdamW (``optimizers/tensor_rules.py``): the whole tensors of this rank's
+        shard (``zero.partition=whole_tensor``, checked by the config), each a view of the fp32 master. The TP ranks
+        of one DP rank own the same tensors (their pieces have the same sizes), so the TP collectives of a rule
+        that needs whole matrices run in the same order on each."""
+        entries = []
+        for i, a, b, at in u.layout.owned(self.mesh.dp.rank):
+            p = u.params[i]
+            if (a, b) != (0, p.numel()):
+                raise RuntimeError(f"{u.names[i]}: train.optimizer={self.cfg.train.optimizer} needs whole tensors "
+                                   f"in a shard (zero.partition=whole_tensor)")
+            u.rule_at.append((i, at))
+            entries.append(Entry(u.names[i], u.master[at:b - a + at].view(p.shape), p.spec,
+                                 not weight_decay_exempt(u.names[i], p)))
+        u.rules = TensorRules(self.cfg, self.mesh, entries)
 
     def _build_units(self, chunks: Sequence[nn.Module], make_unit) -> None:
         """Every chunk's units (``make_unit(spec)``), their module uses, and a gradient hook on each parameter."""
@@ -256,8 +277,12 @@ class ZeroDataParallel(Stage3Gathers, EarlyStep, ZeroState):
         ahead = self._next_forward_units()
         for u in ahead + [u for u in self.units if all(u is not a for a in ahead)]:
             grad = u.grad_shard.float() * self._factor
-            adamw_step(u.master, grad, u.exp_avg, u.exp_avg_sq, u.decay, self.optimizer_steps, lr, t.beta1,
-                       t.beta2, t.eps, t.weight_decay)
+            if u.rules is not None:  # another train.optimizer: the whole tensors this rank owns
+                u.rules.step([grad[at:at + e.param.numel()].view(e.param.shape)
+                              for (_, at), e in zip(u.rule_at, u.rules.entries)], lr, self.optimizer_steps)
+            else:
+                adamw_step(u.master, grad, u.exp_avg, u.exp_avg_sq, u.decay, self.optimizer_steps, lr, t.beta1,
+                           t.beta2, t.eps, t.weight_decay)
             if self._quantized_step_gather():  # the shard is what the gather delivers
                 gathers.append(self._step_gather(u))
                 continue

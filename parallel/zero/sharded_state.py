@@ -23,7 +23,8 @@ class ZeroState:
         also ``weight_reference``: the weights every rank reconstructed (compute dtype), what the next
         differences are taken against, so a resume continues bit for bit (``after_load``)."""
         out: Dict[str, Dict[str, torch.Tensor]] = {}
-        buffers = ("model", "exp_avg", "exp_avg_sq") if with_optimizer else ("model",)
+        adam = self.cfg.train.optimizer == "adamw"
+        buffers = ("model", "exp_avg", "exp_avg_sq") if with_optimizer and adam else ("model",)
         if with_optimizer and self.weight_delta:
             buffers += ("weight_reference",)
         for u in self.units:
@@ -39,7 +40,19 @@ class ZeroState:
                                              [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]],
                                              sources[key])
                              for key in buffers}
+            if with_optimizer and u.rules is not None:  # another optimizer's states: on the tensor's owner only
+                for j, (i, _) in enumerate(u.rule_at):
+                    p = u.params[i]
+                    views = u.rules.state_views(j, p.spec.tp_offset(tuple(p.shape), self.mesh.tp_rank))
+                    out[u.names[i]].update({k: shard_view(g, loc, off, [(0, t.numel(), t.view(-1))], t)
+                                            for k, (g, loc, off, t) in views.items()})
         return out
+
+    def forget_staged(self) -> None:
+        """A save is done: drop the fp32 views of 8-bit moments it wrote."""
+        for u in self.units:
+            if u.rules is not None:
+                u.rules.forget_staged()
 
     def set_optimizer_steps(self, steps: int) -> None:
         self.optimizer_steps = steps
@@ -74,6 +87,9 @@ class ZeroState:
         if reference_kind not in ("applied", "pending"):
             raise ValueError(f"qWD reference kind must be applied or pending, got {reference_kind!r}")
         self._discard_early()
+        for u in self.units:  # 8-bit AdamW: the loaded fp32 moments, re-quantized
+            if u.rules is not None:
+                u.rules.after_load()
         for _, work in self._landing.values():
             work.wait()
         self._landing.clear()
@@ -132,5 +148,6 @@ class ZeroState:
 
         params = sum(size(u.full if self.stage < 3 else u.shard, u.secondary, u.reference) for u in self.units)
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
-        optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
+        optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) + (u.rules.state_bytes() if u.rules else 0)
+                    for u in self.units)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}
