@@ -41,8 +41,10 @@ def main(argv=None) -> int:
     layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
     from parallel.zero.units import meta_chunks  # torch and the model: after the input is checked
     from training.memory import COMPONENTS, activation_bytes, model_state_bytes
-    print(f"{layout.describe()}\nprecision={cfg.precision}, zero.partition={cfg.zero.partition}, "
-          f"zero.reduce_dtype={cfg.zero.reduce_dtype}; GiB per rank")
+    whole = cfg.train.optimizer != "adamw"  # its ZeRO stages need whole-tensor shards (config/optimizer.py)
+    partition = "whole_tensor at stages 1-3" if whole else cfg.zero.partition
+    print(f"{layout.describe()}\nprecision={cfg.precision}, train.optimizer={cfg.train.optimizer}, "
+          f"zero.partition={partition}, zero.reduce_dtype={cfg.zero.reduce_dtype}; GiB per rank")
     last = layout.rank_of(layout.pp - 1, 0, 0)
     for rank in sorted({0, last}):
         pp_rank = layout.coords(rank)[0]
@@ -50,7 +52,8 @@ def main(argv=None) -> int:
         print(f"\nrank {rank} (pipeline stage {pp_rank}): {phi / 1e6:.1f}M parameters held (Phi)")
         print(f"{'':8} " + " ".join(f"{c:>12}" for c in COMPONENTS) + f" {'total':>10} {'bytes/Phi':>10}")
         for stage in range(4):
-            c = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage))
+            kind = "whole_tensor" if whole and stage else cfg.zero.partition
+            c = dataclasses.replace(cfg, zero=dataclasses.replace(cfg.zero, stage=stage, partition=kind))
             est = model_state_bytes(c, layout, rank)
             total = sum(est.values())
             print(f"stage {stage}  " + " ".join(f"{gib(est[k]):>12}" for k in COMPONENTS)

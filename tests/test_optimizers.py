@@ -7,7 +7,6 @@ the rest), and for 8-bit AdamW a float64 re-implementation of its maps and arith
 """
 from __future__ import annotations
 
-import math
 from typing import Dict, List
 
 import pytest
@@ -237,3 +236,25 @@ def test_a_checkpoint_of_another_optimizer_is_refused_with_one_line(tmp_path):
     run_world(checkpoint_worker, 1, SETTINGS["muon"], "fresh", 1, str(tmp_path))
     with pytest.raises(Exception, match="train.optimizer=muon, this run uses train.optimizer=adafactor"):
         run_world(checkpoint_worker, 1, SETTINGS["adafactor"], "resume", 2, str(tmp_path))
+
+
+# -- bad values: one line each, exit 2 ---------------------------------------------------------------------------
+@pytest.mark.parametrize("overrides,fragment", [
+    (["train.optimizer=lion"], "train.optimizer='lion' is not one of ['adamw', 'adafactor', 'adamw8bit', 'muon']"),
+    (["train.optimizer=adamw8bit", "train.adamw8bit.block_size=-4"], "train.adamw8bit.block_size=-4 must be in"),
+    (["train.optimizer=muon", "train.muon.ns_steps=0"], "train.muon.ns_steps=0 must be in [1, 99]"),
+    (["train.optimizer=muon", "train.muon.momentum=1.0"], "train.muon.momentum=1.0 must be in [0, 1)"),
+    (["train.optimizer=muon", "train.muon.adjust_lr=none"], "train.muon.adjust_lr='none' is not one of"),
+    (["train.optimizer=muon", "precision=fp8"], "train.optimizer=muon does not combine with precision=fp8"),
+    (["train.optimizer=muon", "zero.stage=2"], "train.optimizer=muon with zero.stage=2 needs zero.partition="),
+    (["train.optimizer=adafactor", "zero.stage=3", "zero.partition=whole_tensor", "zero.hpz_size=2",
+      "zero.quantized_weights=true"], "zero.early_step=true (on by default) steps AdamW early"),
+    (["train.optimizer=adafactor", "train.adafactor.beta2_decay=0.5"], "train.adafactor.beta2_decay=0.5 must be"),
+])
+def test_bad_values_are_one_line_and_exit_2(overrides, fragment, capsys):
+    import train
+
+    assert train.main(overrides + ["train.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if fragment in line]
+    assert len(lines) == 1 and "Traceback" not in err, err

@@ -9,7 +9,8 @@ compute / reduce dtype bytes; Phi = the rank's parameters)::
   stage 2   parameters N S e_c, gradients S e_r, optimizer 12 S                             ~ 2 + 14/N
   stage 3   parameters S e_c, gradients S e_r, optimizer 12 S, plus the gathered working set ~ 16/N + working
 
-In fp32 the master copy is the parameter buffer itself, so the optimizer holds
+(AdamW's 8 bytes of m and v; another ``train.optimizer`` its own state bytes, ``optimizer_state_bytes``, on the
+rank that owns each whole tensor.) In fp32 the master copy is the parameter buffer itself, so the optimizer holds
 8 S (12 S at stages 1-2 with qwZ, whose post-step gather overwrites the parameter
 shard). ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters, and
 stage-3 qWD this rank's piece of the reconstructed weights, S e_c (the transient
