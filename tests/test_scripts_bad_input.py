@@ -2,16 +2,26 @@
 handles bad input the way train.py does: one line ``error: <what is wrong>`` on stderr and exit code 2, never a
 traceback.
 
-Each script is run as a user runs it (``python scripts/X.py ...`` from the repository root) four times, through
-the argument it reads a file by (``--config``, ``--preset``, a checkpoint, run or trace directory, a Hugging Face
-model directory, the data and tokenizer its config overrides name; for a script that writes, the place it writes
-to): a path that does not exist, a directory where a file is expected or a file where a directory is expected, a
-file of random bytes, and a malformed YAML/JSON config (or config override). A script that reads no file at all
-(bench_layouts.py, bench_quant.py, bench_fp8_cast.py, and netemu.py, a library that needs root and network namespaces to do anything)
-gets the four paths as stray arguments, which it must refuse the same way; scripts that write somewhere get a path
-under a regular file for "missing" (a missing directory is theirs to make). A few cases per script check option
-values too (``--world 0``, ``--steps 1``, ...). Every case must fail before any real work (no namespace, rank,
-model or corpus is made), so the whole file takes seconds per script.
+Each script is run as a user runs it (``python scripts/X.py ...`` from the repository root; below: how) four
+times, through the argument it reads a file by (``--config``, ``--preset``, a checkpoint, run or trace directory,
+a Hugging Face model directory, the data and tokenizer its config overrides name; for a script that writes, the
+place it writes to): a path that does not exist, a directory where a file is expected or a file where a directory
+is expected, a file of random bytes, and a malformed YAML/JSON config (or config override). A script that reads no
+file at all (bench_layouts.py, bench_quant.py, bench_fp8_cast.py, and netemu.py, a library that needs root and
+network namespaces to do anything) gets the four paths as stray arguments, which it must refuse the same way;
+scripts that write somewhere get a path under a regular file for "missing" (a missing directory is theirs to make).
+A few cases per script check option values too (``--world 0``, ``--steps 1``, ...). Every case must fail before
+any real work (no namespace, rank, model or corpus is made), so the whole file takes seconds per script.
+
+A case does not start a fresh interpreter (each imported torch anew: 3-4 CPU-s a case of a script that imports it,
+230 CPU-s over the file on a 2-core AVX2 EPYC, 60 this way): ``_run`` forks it from tests/dist_harness.py's
+forkserver, which has torch imported already, and runs the script there as ``python`` would run it -- its own
+``sys.argv``, the ``sys.path`` of a fresh interpreter (the script's directory first, not the repository root;
+``-m``: the working directory), the repository root as working directory, the case's environment, fds 1 and 2 to
+files, ``__main__`` run by runpy, an uncaught exception printed as a traceback with exit code 1, ``SystemExit`` as
+the exit code, atexit handlers run. The project's own modules are dropped from the forked process first, so the
+script imports them itself, through its own ``sys.path`` (a script that cannot find them fails here as it would
+for a user).
 
 ``python -m data.tokenizer`` is called in-process (its ``main(argv)``, stdout and stderr captured at the file
 descriptors, so that sentencepiece's own logging would show): an interpreter per case would cost seconds each.
@@ -21,11 +31,15 @@ throwaway SLURM the test suite starts; tests/test_slurm.py covers it).
 """
 from __future__ import annotations
 
+import functools
+import json
 import os
 import random
 import re
 import subprocess
 import sys
+import tempfile
+import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 from typing import Dict, List, Tuple
@@ -267,23 +281,96 @@ def _command(script: str) -> List[str]:
     return [sys.executable, *script.split()] if script.startswith("-m ") else [sys.executable, f"scripts/{script}"]
 
 
+@functools.lru_cache(maxsize=None)
+def _fresh_sys_path(pythonpath: str) -> Tuple[str, ...]:
+    """``sys.path`` of a fresh interpreter in this environment, after its first entry (the script's directory)."""
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    env.update({"PYTHONPATH": pythonpath} if pythonpath else {})
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], cwd="/",
+                         env=env, capture_output=True, text=True, check=True).stdout
+    return tuple(json.loads(out))
+
+
+# What ``python scripts/X.py ARGS`` (or ``python -m module ARGS``) does after start-up, run in a process forked from
+# the preloaded forkserver (a string given to ``exec``: the child imports nothing to find it). ARGS: (root, command,
+# environment, sys.path after its first entry, stdout file, stderr file).
+_AS_PYTHON_RUNS_IT = r"""
+import atexit, os, runpy, sys, traceback
+root, command, env, fresh_path, out_file, err_file = ARGS
+for fd, name in ((1, out_file), (2, err_file)):
+    f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+    os.dup2(f, fd)
+    os.close(f)
+os.chdir(root)
+os.environ.clear()
+os.environ.update(env)
+def ours(module):
+    try:
+        places = [getattr(module, "__file__", None)]
+        path = getattr(module, "__path__", None)
+        if isinstance(path, list) or type(path).__name__ == "_NamespacePath":
+            places += list(path)
+        return any(isinstance(p, str) and p.startswith(root + os.sep) for p in places)
+    except Exception:
+        return False
+for name, module in list(sys.modules.items()):  # the project's modules: the script imports them itself
+    if ours(module):
+        del sys.modules[name]
+try:
+    if command[0] == "-m":
+        sys.path[:] = [root, *fresh_path]
+        sys.argv = ["-m", *command[2:]]
+        runpy.run_module(command[1], run_name="__main__", alter_sys=True)
+    else:
+        sys.path[:] = [os.path.dirname(os.path.join(root, command[0])), *fresh_path]
+        sys.argv = list(command)
+        runpy.run_path(os.path.join(root, command[0]), run_name="__main__")
+    code = 0
+except SystemExit as e:
+    code = 0 if e.code is None else e.code
+    if not isinstance(code, int):
+        print(code, file=sys.stderr)
+        code = 1
+except BaseException:
+    traceback.print_exc()
+    code = 1
+atexit._run_exitfuncs()
+sys.stdout.flush()
+sys.stderr.flush()
+os._exit(code)
+"""
+_START = threading.Lock()  # processes are started one at a time (the forkserver's connection)
+
+
 def _run(script: str, argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str, subprocess.CompletedProcess]:
+    """``python scripts/SCRIPT ARGS`` from the repository root (the module docstring says how it is run)."""
+    from tests.dist_harness import _context
+
     args, needle = _expand(argv, paths)
     env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
                                                             "MASTER_PORT", "GPT_COMM_TRACE")}
-    p = subprocess.Popen(_command(script) + args, cwd=ROOT, stdout=subprocess.PIPE, stderr=subprocess.PIPE,
-                         text=True, env=env)
-    try:
-        out, err = p.communicate(timeout=TIMEOUT_S)
-    except subprocess.TimeoutExpired:  # it started real work: SIGTERM first (bench_cluster.py removes namespaces)
-        p.terminate()
-        try:
-            out, err = p.communicate(timeout=60)
-        except subprocess.TimeoutExpired:
-            p.kill()
-            out, err = p.communicate()
+    command = [*script.split(), *args] if script.startswith("-m ") else [f"scripts/{script}", *args]
+    with tempfile.TemporaryDirectory(prefix="bad-input-") as streams:  # not under tmp_path: its files are checked
+        out_file, err_file = os.path.join(streams, "stdout"), os.path.join(streams, "stderr")
+        child_args = (str(ROOT), command, env, list(_fresh_sys_path(env.get("PYTHONPATH", ""))), out_file, err_file)
+        p = _context().Process(target=exec, args=(_AS_PYTHON_RUNS_IT, {"ARGS": child_args}), daemon=True)
+        with _START:
+            p.start()
+        p.join(TIMEOUT_S)
+        late = p.exitcode is None
+        if late:  # it started real work: SIGTERM first (bench_cluster.py removes namespaces)
+            p.terminate()
+            p.join(60)
+            if p.exitcode is None:
+                p.kill()
+                p.join()
+        with open(out_file, errors="replace") as f:
+            out = f.read()
+        with open(err_file, errors="replace") as f:
+            err = f.read()
+    if late:
         err = f"still running after {TIMEOUT_S} s (it did not stop at the bad input)\n{err}"
-    return args, needle, subprocess.CompletedProcess(p.args, p.returncode, out, err)
+    return args, needle, subprocess.CompletedProcess(_command(script) + args, p.exitcode, out, err)
 
 
 def _problem(script: str, case: str, args: List[str], needle: str, r: subprocess.CompletedProcess) -> str:
@@ -316,7 +403,7 @@ def test_bad_input_is_one_line_and_exit_code_2(script, tmp_path):
     paths = hostile_files(tmp_path)
     before = {p: p.read_bytes() if p.is_file() else None for p in sorted(tmp_path.rglob("*"))}
     cases = SCRIPTS[script]
-    with ThreadPoolExecutor(2) as pool:  # two at a time: each case starts an interpreter
+    with ThreadPoolExecutor(2) as pool:  # two at a time
         answers = list(pool.map(lambda case: (case, *_run(script, cases[case], paths)), cases))
     problems = [p for p in (_problem(script, case, args, needle, r) for case, args, needle, r in answers) if p]
     assert not problems, "\n".join(problems)
