@@ -50,9 +50,11 @@ def assert_same_curve(got, ref, rtol):
 
 
 def test_default_job_learns_and_writes_metrics_wandb_and_checkpoint(tmp_path):
+    """``python train.py`` with the default config (the tiny model), shortened to 30 steps: on CPU the loss falls from
+    8.20 at step 5 to 6.72 at step 30 (60 steps cost twice the CPU time for the same checks)."""
     run_dir = tmp_path / "run"
-    p = run_train(f"logging.run_dir={run_dir}", "train.max_steps=60", "logging.interval=10",
-                  "train.eval_interval=30", "logging.wandb.mode=offline", env={"WANDB_SILENT": "true"})
+    p = run_train(f"logging.run_dir={run_dir}", "train.max_steps=30", "logging.interval=5",
+                  "train.eval_interval=15", "logging.wandb.mode=offline", env={"WANDB_SILENT": "true"})
     assert p.returncode == 0, p.stderr[-3000:]
     recs = records(run_dir)
     train = [r for r in recs if "loss" in r]
@@ -62,10 +64,10 @@ def test_default_job_learns_and_writes_metrics_wandb_and_checkpoint(tmp_path):
     assert train[-1]["loss"] < train[0]["loss"] - 1.0, [r["loss"] for r in train]
     assert train[0]["tokens_per_s"] > 0 and train[0]["peak_mem_bytes"] > 0
     val = [r for r in recs if "val_loss" in r]
-    assert [r["step"] for r in val] == [30, 60] and val[1]["val_loss"] < val[0]["val_loss"]
-    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000060"
+    assert [r["step"] for r in val] == [15, 30] and val[1]["val_loss"] < val[0]["val_loss"]
+    assert (run_dir / "checkpoints" / "latest").read_text().strip() == "step_00000030"
     assert list((run_dir / "wandb").glob("offline-run-*")), "no wandb offline run under the run dir"
-    assert "step     60" in p.stdout and "validation loss" in p.stdout
+    assert "step     30" in p.stdout and "validation loss" in p.stdout
 
 
 def _wait_for_step(run_dir, step, proc, timeout=120):
