@@ -1,13 +1,13 @@
 """Bad input ends with a clear message naming the culprit, and saved state is never damaged."""
 import hashlib
 import shutil
-import subprocess
 from pathlib import Path
 
 import pytest
 
 import train
 from tests.test_train_e2e import FAST, ROOT, losses_by_step
+from tests.test_train_e2e import run_forked as run_train  # train.main on a forked rank: checkpoints, not the launch
 
 SAMPLE = ROOT / "data" / "sample" / "sample_text_document"
 
@@ -70,16 +70,6 @@ def test_truncated_data_file_is_named(capsys, tmp_path):
     Path(f"{prefix}.bin").write_bytes(data[: len(data) // 2])
     err = fails_with(capsys, f"logging.run_dir={tmp_path}", f"data.paths=[{prefix}]")
     assert "corpus.bin" in err
-
-
-def run_train(*args):
-    """``python train.py args`` from the repository root, as train.main on one rank forked by tests/dist_harness.py:
-    these tests are about checkpoints, not the launch (tests/test_train_e2e.py starts ``python train.py``), and a
-    fresh interpreter costs ~3 CPU-s of imports."""
-    from tests.dist_harness import run_world, train_main
-
-    [(code, out, err)] = run_world(train_main, 1, list(args), str(ROOT), timeout=300, env={"OMP_NUM_THREADS": "1"})
-    return subprocess.CompletedProcess(["train.py", *args], code, out, err)
 
 
 def _digests(directory):

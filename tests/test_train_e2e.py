@@ -1,4 +1,7 @@
-"""train.py end to end, in subprocesses, on the bundled sample corpus (CPU, fp32)."""
+"""train.py end to end on the bundled sample corpus (CPU, fp32): in subprocesses (``python train.py``, torchrun, srun's
+environment) where the launch or the process is what a test is about (the default job, a signal or a kill, a dying
+rank, the launchers); elsewhere ``train.main`` on a rank forked by tests/dist_harness.py (``run_forked``: a fresh
+interpreter costs ~3 CPU-s of imports), and a reference run two tests share is made once (a module fixture)."""
 import json
 import os
 import re
@@ -25,6 +28,17 @@ def run_train(*args, timeout=300, env=None, launcher=(sys.executable,)):
     full_env = {**os.environ, "OMP_NUM_THREADS": "1", **(env or {})}
     return subprocess.run(train_cmd(*args, launcher=launcher), cwd=ROOT, capture_output=True, text=True,
                           timeout=timeout, env=full_env)
+
+
+def run_forked(*args, timeout=300):
+    """``python train.py args`` from the repository root, as ``train.main`` on one rank forked by tests/dist_harness.py
+    with torchrun's environment (world size 1), for tests that are not about the launch: (exit code, stdout, stderr)
+    as a CompletedProcess."""
+    from tests.dist_harness import run_world, train_main
+
+    [(code, out, err)] = run_world(train_main, 1, list(args), str(ROOT), timeout=timeout,
+                                   env={"OMP_NUM_THREADS": "1"})
+    return subprocess.CompletedProcess(["train.py", *args], code, out, err)
 
 
 def records(run_dir):
@@ -80,13 +94,25 @@ def _wait_for_step(run_dir, step, proc, timeout=120):
     raise TimeoutError(f"step {step} not reached")
 
 
+RESUME_STEPS = 12
+RESUME_COMMON = FAST + [f"train.max_steps={RESUME_STEPS}", "checkpoint.interval=4"]
+
+
+@pytest.fixture(scope="module")
+def uninterrupted_losses(tmp_path_factory):
+    """The losses of the uninterrupted run both interruptions are compared with (made once)."""
+    ref_dir = tmp_path_factory.mktemp("uninterrupted")
+    p = run_forked(*RESUME_COMMON, f"logging.run_dir={ref_dir}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return losses_by_step(ref_dir)[0]
+
+
 @pytest.mark.parametrize("how", ["sigterm", "crash"])
-def test_interrupted_run_resumes_with_identical_losses(tmp_path, how):
-    steps = 12
-    ref_dir, run_dir = tmp_path / "ref", tmp_path / "run"
-    common = FAST + [f"train.max_steps={steps}", "checkpoint.interval=4"]
-    assert run_train(*common, f"logging.run_dir={ref_dir}").returncode == 0
-    ref, _ = losses_by_step(ref_dir)
+def test_interrupted_run_resumes_with_identical_losses(tmp_path, how, uninterrupted_losses):
+    """The interrupted run is ``python train.py`` (a real process gets the SIGTERM or SIGKILL); the uninterrupted
+    reference and the resumed run are train.main on forked ranks."""
+    steps, common, ref = RESUME_STEPS, RESUME_COMMON, uninterrupted_losses
+    run_dir = tmp_path / "run"
 
     proc = subprocess.Popen(train_cmd(*common, f"logging.run_dir={run_dir}"), cwd=ROOT, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
@@ -100,7 +126,7 @@ def test_interrupted_run_resumes_with_identical_losses(tmp_path, how):
     stopped_at = max(before)
     assert stopped_at < steps, "the run finished before the interruption; make it longer"
 
-    p = run_train(*common, f"logging.run_dir={run_dir}")
+    p = run_forked(*common, f"logging.run_dir={run_dir}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "resumed from" in p.stdout
     got, repeats = losses_by_step(run_dir)
@@ -142,12 +168,23 @@ def test_a_dying_rank_ends_the_job(tmp_path):
     assert "Connection closed by peer" in err or "remote worker" in err, err[-2000:]
 
 
+DP_COMMON = FAST + ["train.max_steps=6", "checkpoint.interval=0"]
+
+
+@pytest.fixture(scope="module")
+def one_process_losses(tmp_path_factory):
+    """The losses of the one-process run both launchers' two-rank runs are compared with (made once)."""
+    ref_dir = tmp_path_factory.mktemp("one_process")
+    p = run_forked(*DP_COMMON, f"logging.run_dir={ref_dir}")
+    assert p.returncode == 0, p.stderr[-3000:]
+    return losses_by_step(ref_dir)[0]
+
+
 @pytest.mark.parametrize("launcher", ["torchrun", "slurm"])
-def test_two_data_parallel_processes_match_one(tmp_path, launcher):
-    steps = 6
-    common = FAST + [f"train.max_steps={steps}", "checkpoint.interval=0"]
-    ref_dir, dp_dir = tmp_path / "ref", tmp_path / "dp"
-    assert run_train(*common, f"logging.run_dir={ref_dir}").returncode == 0
+def test_two_data_parallel_processes_match_one(tmp_path, launcher, one_process_losses):
+    """Two ranks started by the launcher (torchrun, or two processes with srun's environment) against the same job on
+    one rank (train.main on a forked rank)."""
+    common, dp_dir = DP_COMMON, tmp_path / "dp"
     args = (*common, f"logging.run_dir={dp_dir}")
     if launcher == "torchrun":
         p = run_train(*args, launcher=(sys.executable, "-m", "torch.distributed.run", "--standalone",
@@ -160,9 +197,8 @@ def test_two_data_parallel_processes_match_one(tmp_path, launcher):
         for proc in procs:
             out, err = proc.communicate(timeout=300)
             assert proc.returncode == 0, err[-3000:]
-    ref, _ = losses_by_step(ref_dir)
     got, _ = losses_by_step(dp_dir)
-    assert_same_curve(got, ref, rtol=1e-5)
+    assert_same_curve(got, one_process_losses, rtol=1e-5)
     # the ledger counts the bucketed gradient all-reduce: 2 (g-1)/g x 4 bytes x parameters, g = 2
     from config import load_config
     from model.flops import parameter_count
@@ -175,7 +211,7 @@ def test_two_data_parallel_processes_match_one(tmp_path, launcher):
 
 def test_time_limit_stops_and_saves(tmp_path):
     run_dir = tmp_path / "run"
-    p = run_train(*FAST, "train.max_steps=1000", "train.time_limit_minutes=0.0001", f"logging.run_dir={run_dir}")
+    p = run_forked(*FAST, "train.max_steps=1000", "train.time_limit_minutes=0.0001", f"logging.run_dir={run_dir}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "(time_limit)" in p.stdout
     latest = (run_dir / "checkpoints" / "latest").read_text().strip()
@@ -184,7 +220,8 @@ def test_time_limit_stops_and_saves(tmp_path):
 
 def test_fp16_overflow_is_logged_and_training_continues(tmp_path):
     run_dir = tmp_path / "run"
-    p = run_train(*FAST, "precision=fp16", "loss_scale.initial=1e12", "train.max_steps=30", f"logging.run_dir={run_dir}")
+    p = run_forked(*FAST, "precision=fp16", "loss_scale.initial=1e12", "train.max_steps=30",
+                   f"logging.run_dir={run_dir}")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "step 1: non-finite gradients" in p.stdout and "step skipped; loss scale 1e+12 -> 5e+11" in p.stdout
     last = [r for r in records(run_dir) if "loss" in r][-1]
