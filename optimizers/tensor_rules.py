@@ -22,14 +22,22 @@ tensors or two ranks' pieces, and a TP size other than 1 groups different elemen
 Checkpoints hold every state as a global tensor (``state_views``): Muon's momentum and 8-bit AdamW's moments
 shaped and split like the parameter (8-bit moments dequantized to fp32, re-quantized exactly on load: a block's
 absmax maps to a code of its own), Adafactor's factored statistics whole (every holder has the same).
+
+8-bit AdamW under ``train.compile`` (``model.compile.enabled``): ``optimizers.adamw8bit.adamw8bit_update`` goes
+through ``torch.compile`` once a process (``model.compile.backend()``, whole graph, static shapes), so each 8-bit
+tensor is dequantized, updated and re-quantized by one compiled graph, one graph per distinct tensor shape; the
+step's scalars are two fp32 device tensors filled once a step (decayed and exempt tensors), not graph constants, so
+no step recompiles. Eager otherwise (the CPU default), through the same function: the bits of ``adamw8bit_step``.
 """
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import Dict, List, Optional, Sequence, Tuple
+from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from model.compile import backend as compile_backend
+from model.compile import enabled as compile_enabled
 from model.gpt import EMBEDDING
 from parallel import comm
 from parallel.zero.adamw import adamw_step
@@ -60,6 +68,36 @@ class Entry:
     state: Dict[str, torch.Tensor] = field(default_factory=dict)
 
 
+def _compiled_without_grad(fn):
+    """``fn`` through torch.compile with the project's backend (``GPT_COMPILE_BACKEND``), the whole function one
+    graph (``fullgraph``: a graph break is an error, not a silent eager fallback) and shapes static (one graph a
+    shape), always entered with autograd off. ``fp8.zero_unit._compiled_without_grad``'s pattern; not imported from
+    there: fp8.zero_unit imports parallel.zero.sharded, which imports this module."""
+    compiled = torch.compile(fn, backend=compile_backend(), fullgraph=True, dynamic=False)
+
+    def run(*args, **kwargs):
+        with torch.no_grad():
+            return compiled(*args, **kwargs)
+
+    return run
+
+
+_COMPILED_8BIT: Dict[str, object] = {}  # backend -> the compiled 8-bit update, one a process (every TensorRules)
+_SHAPES_8BIT: Set[Tuple[Tuple[int, ...], str]] = set()  # the (shape, device) the compiled 8-bit update meets
+
+
+def _compiled_update8(shapes: Set[Tuple[Tuple[int, ...], str]]):
+    """The compiled ``adamw8bit_update``, made once a process and shared by every ``TensorRules`` (ZeRO builds one
+    a unit), with room in dynamo's cache of the function for one graph each distinct ``shapes`` entry."""
+    from optimizers.adamw8bit import adamw8bit_update
+    name = compile_backend()
+    if name not in _COMPILED_8BIT:
+        _COMPILED_8BIT[name] = _compiled_without_grad(adamw8bit_update)
+    _SHAPES_8BIT.update(shapes)
+    torch._dynamo.config.cache_size_limit = max(torch._dynamo.config.cache_size_limit, len(_SHAPES_8BIT))
+    return _COMPILED_8BIT[name]
+
+
 class TensorRules:
     def __init__(self, cfg, mesh, entries: Sequence[Entry]):
         self.t, self.mesh = cfg.train, mesh
@@ -70,6 +108,14 @@ class TensorRules:
         for e in self.entries:
             e.rule = rule_of(self.t.optimizer, e.name, e.param.ndim, e.spec)
             e.state = self._new_state(e)
+        shapes = {(tuple(e.param.shape), str(e.param.device)) for e in self.entries if e.rule == "adamw8bit"}
+        self.compiled = bool(shapes) and compile_enabled(cfg, mesh.device)
+        self._update8 = None
+        if shapes:
+            from optimizers.adamw8bit import adamw8bit_update
+            # the step's scalars (keep, step size, sqrt of bc2), filled once a step: decayed tensors, exempt ones
+            self._scalars = {d: torch.zeros(3, dtype=torch.float32, device=mesh.device) for d in (True, False)}
+            self._update8 = _compiled_update8(shapes) if self.compiled else adamw8bit_update
 
     # -- the pieces and the whole --------------------------------------------------------------------
     def _split(self, e: Entry) -> bool:
@@ -145,6 +191,10 @@ class TensorRules:
     def step(self, grads: Sequence[torch.Tensor], lr: float, step: int) -> None:
         """One update of every entry; ``grads`` fp32 (unscaled and clipped), entry by entry; ``step`` >= 1."""
         t = self.t
+        if self._update8 is not None:
+            from optimizers.adamw8bit import fill_step_scalars, moment_maps
+            for decay, out in self._scalars.items():
+                fill_step_scalars(out, step, lr, t.beta1, t.beta2, t.weight_decay if decay else 0.0)
         for e, g in zip(self.entries, grads):
             wd = t.weight_decay if e.decay else 0.0
             if e.rule == "adamw":
@@ -152,8 +202,8 @@ class TensorRules:
                            e.state["exp_avg_sq"].view(-1), [(0, e.param.numel())] if wd else [], step, lr,
                            t.beta1, t.beta2, t.eps, wd)
             elif e.rule == "adamw8bit":
-                from optimizers.adamw8bit import adamw8bit_step
-                adamw8bit_step(e.param, g, e.state, step, lr, t.beta1, t.beta2, t.eps, wd, self.block)
+                self._update8(e.param, g, e.state, self._scalars[bool(e.decay)], moment_maps(e.param.device), t.beta1,
+                              t.beta2, t.eps, self.block)
             elif e.rule == "adafactor":
                 self._adafactor(e, g, lr, step, wd)
             else:
