@@ -1,0 +1,261 @@
+"""Mixture of experts (``model.moe``, ``config/moe.py``): the MLP of an MoE layer, one process for now.
+
+``MoE(x)`` for ``x [s, b, h]``: a ``Router`` picks each token's top-k routed experts (scores in fp32), the
+``Experts`` run them as grouped GEMMs and sum their outputs weighted by the gates, optional shared experts add
+one FFN every token passes through (Qwen2-MoE gates it with a sigmoid), and the block keeps the step's balancing
+terms on itself: the Switch/GShard auxiliary loss and the router z-loss (tensors the trainer adds to the loss,
+times their coefficients) and the expert load behind DeepSeek-V3's aux-loss-free bias (``MoE.update_bias``, once
+an optimizer step).
+
+Tokens are the flattened ``[s * b]`` rows (position-major, as Megatron flattens its sequence-first activations);
+"token order" below (which slots a capacity keeps) means that order. A token-slot is one (token, chosen expert)
+pair: ``tokens x top_k`` of them per forward.
+
+Parameters carry ``ParamSpec``s like every other (replicated: ``tp_dim`` None), so ``model/init.py`` draws them
+from the seed and their global names; routed experts are stacked, ``w_up [E, (2,) F, d]`` (SwiGLU's gate then
+up, ``[out, in]`` per expert as ``nn.Linear`` and Hugging Face's ``gate_up_proj`` store them) and
+``w_down [E, d, F]``, so each projection is one grouped GEMM over the token-slots sorted by expert.
+
+``torch._grouped_mm`` (torch 2.13) runs where ``grouped_gemm_runs`` says: on CPU for fp32, bf16 and fp16 (not
+float64), with every row stride a multiple of 16 bytes (d_model and the FFN width multiples of 4 in fp32, of 8 in
+16 bits) and int32 offsets; under ``torch.compile`` its fake kernel accepts bf16 only. On CUDA torch documents
+bf16 (SM >= 80: CUTLASS kernels on sm90/sm100, a loop over groups elsewhere). Anywhere else, a Python loop over
+the experts computes the same products (16-bit CPU GEMMs through ``parallel/cpu_gemm.linear``, in fp32 where that
+is faster). What is said to be fp32 here (router, gates, the sum of the experts' outputs) is float64 in a float64
+model, which then computes in float64 throughout.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Optional, Tuple
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from config import ModelConfig
+from config.moe import MoeConfig
+from model.layers import MLP, TPContext
+from parallel.cpu_gemm import linear, upcasts
+from parallel.tensor_parallel import new_param, scaled_init_std
+
+
+def grouped_gemm_runs(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
+    """Whether ``torch._grouped_mm`` computes the experts' projections for activations of ``dtype`` on
+    ``device`` whose rows (and the weights' rows) are ``widths`` elements long (see the module's docstring)."""
+    if not hasattr(torch, "_grouped_mm") or any(w * dtype.itemsize % 16 for w in widths):
+        return False
+    if device.type == "cuda":
+        return dtype == torch.bfloat16
+    if device.type != "cpu" or (torch.compiler.is_compiling() and dtype != torch.bfloat16):
+        return False
+    # a 16-bit CPU GEMM without 16-bit matrix instructions is faster on fp32 upcasts: the loop's cpu_gemm.linear
+    return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and not upcasts(dtype))
+
+
+@dataclass
+class Routing:
+    """One forward's routing of ``T`` tokens to ``k`` of ``E`` experts (fp32 but the indices; float64 in a float64
+    model)."""
+    experts: torch.Tensor
+    """``[T, k]`` int64: each token's chosen experts, by decreasing biased score."""
+    gates: torch.Tensor
+    """``[T, k]``: their weights, the unbiased scores (renormalised when norm_topk, times routed_scale)."""
+    scores: torch.Tensor
+    """``[T, E]``: the router probabilities (softmax or sigmoid of the logits)."""
+    logits: torch.Tensor
+    """``[T, E]``: the router's logits."""
+    counts: torch.Tensor
+    """``[E]`` int64: token-slots routed to each expert (before any capacity drops them)."""
+    aux_loss: torch.Tensor
+    """Switch/GShard load-balancing loss, ``E sum_e f_e P_e`` (1 when balanced), unweighted."""
+    z_loss: torch.Tensor
+    """Router z-loss, ``mean_t logsumexp(logits_t)^2``, unweighted."""
+
+
+class Router(nn.Module):
+    """Top-k token-choice router: ``logits = x W^T`` (``W [E, d]``, no bias) in fp32, scores by softmax or sigmoid.
+
+    The top-k is taken over ``scores + expert_bias``: the bias (DeepSeek-V3's aux-loss-free balancing, a buffer
+    saved in the state dict and moved by ``MoE.update_bias``) changes which experts are chosen, never the gates,
+    which are the unbiased scores of the chosen experts. With sigmoid scores the auxiliary loss's P_e is the mean
+    of the scores normalised per token (they do not sum to 1 otherwise), as Megatron-Core does.
+    """
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig):
+        super().__init__()
+        self.num_experts, self.top_k = moe.num_experts, moe.top_k
+        self.score, self.norm_topk, self.routed_scale = moe.score, moe.norm_topk, moe.routed_scale
+        self.weight = new_param((moe.num_experts, cfg.d_model), None, 1, std=cfg.init_std)
+        self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
+
+    def forward(self, x: torch.Tensor) -> Routing:
+        """Route the tokens ``x [T, d]``."""
+        E, k = self.num_experts, self.top_k
+        wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (float64 for a float64 model)
+        with torch.autocast(x.device.type, enabled=False):
+            logits = F.linear(x.to(wide), self.weight.to(wide))
+            scores = logits.softmax(-1) if self.score == "softmax" else logits.sigmoid()
+            with torch.no_grad():
+                experts = torch.topk(scores + self.expert_bias.to(wide), k, dim=-1).indices
+            gates = scores.gather(1, experts)
+            if self.norm_topk:
+                gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
+            if self.routed_scale != 1.0:
+                gates = gates * self.routed_scale
+            counts = torch.bincount(experts.flatten(), minlength=E)
+            probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
+            fraction = counts.to(wide) / max(experts.numel(), 1)  # f_e: share of the token-slots (no gradient)
+            aux = E * (fraction * probs.mean(0)).sum()
+            z = torch.logsumexp(logits, -1).square().mean()
+        return Routing(experts, gates, scores, logits, counts, aux, z)
+
+
+class Experts(nn.Module):
+    """``E`` FFNs (SwiGLU or GELU, as ``model.activation``; no biases), stacked so each projection is one grouped
+    GEMM over the token-slots sorted by expert; a loop over the experts where the grouped GEMM does not run.
+
+    ``grouped``: None picks by ``grouped_gemm_runs``; True or False forces a path (tests compare the two)."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig):
+        super().__init__()
+        self.num_experts, self.d_model = moe.num_experts, cfg.d_model
+        self.ffn = moe.ffn_hidden if moe.ffn_hidden is not None else cfg.ffn_size
+        self.swiglu = cfg.activation == "swiglu"
+        lead = (2,) if self.swiglu else ()
+        E, d, f = moe.num_experts, cfg.d_model, self.ffn
+        self.w_up = new_param((E,) + lead + (f, d), None, 1, std=cfg.init_std)
+        self.w_down = new_param((E, d, f), None, 1, std=scaled_init_std(cfg.init_std, cfg.n_layers))
+        self.grouped: Optional[bool] = None
+
+    def use_grouped(self, dtype: torch.dtype, device: torch.device) -> bool:
+        """Whether this forward's projections run as ``torch._grouped_mm``."""
+        if self.grouped is not None:
+            return self.grouped
+        return grouped_gemm_runs(dtype, device, self.d_model, self.ffn)
+
+    def _activation(self, h: torch.Tensor) -> torch.Tensor:
+        if self.swiglu:
+            gate, up = h.unflatten(-1, (2, -1)).unbind(-2)
+            return F.silu(gate) * up
+        return F.gelu(h, approximate="tanh")
+
+    def _ffn(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """Each expert's FFN of its rows of ``xs`` (``[N, d]``, sorted by expert, ``counts [E]`` rows each)."""
+        up = self.w_up.flatten(1, -2).to(xs.dtype)  # [E, (2) F, d]
+        down = self.w_down.to(xs.dtype)  # [E, d, F]
+        if self.use_grouped(xs.dtype, xs.device):
+            offsets = torch.cumsum(counts, 0, dtype=torch.int32)  # where each expert's rows end
+            h = self._activation(torch._grouped_mm(xs, up.transpose(1, 2), offs=offsets))
+            return torch._grouped_mm(h, down.transpose(1, 2), offs=offsets)
+        outs = [linear(self._activation(linear(rows, up[e])), down[e])
+                for e, rows in enumerate(xs.split(counts.tolist())) if rows.shape[0]]
+        return torch.cat(outs) if outs else xs.new_zeros((0, self.d_model))
+
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
+                capacity: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """``x [T, d]``, each token's ``experts`` and ``gates`` ``[T, k]`` -> ``(y, kept)``: ``y [T, d]`` fp32 (or
+        wider), each token's sum over its kept slots of gate x FFN_e(x); ``kept [T, k]`` bool. ``capacity``: each
+        expert keeps its first this many slots in token order and drops the rest (None: dropless). In autocast's
+        dtype when it is on, else in x's."""
+        T, k = experts.shape
+        flat = experts.flatten()  # slot t * k + j
+        order = torch.argsort(flat, stable=True)  # slots grouped by expert, in token order within each
+        counts = torch.bincount(flat, minlength=self.num_experts)
+        kept = torch.ones_like(flat, dtype=torch.bool)
+        if capacity is not None:
+            first = torch.cumsum(counts, 0) - counts  # each expert's first position in ``order``
+            within = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
+            keep = within < capacity
+            kept[order] = keep
+            order, counts = order[keep], counts.clamp(max=capacity)
+        token = order // k
+        dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
+        wide = torch.promote_types(dtype, torch.float32)
+        with torch.autocast(x.device.type, enabled=False):
+            out = self._ffn(x[token].to(dtype), counts)
+            weighted = out.to(wide) * gates.flatten()[order].to(wide)[:, None]
+            y = torch.zeros((T, x.shape[-1]), dtype=wide, device=x.device).index_add(0, token, weighted)
+        return y, kept.view(T, k)
+
+
+class MoE(nn.Module):
+    """Router, routed experts and optional shared experts in place of an MLP; ``forward(x [s, b, h]) -> [s, b, h]``
+    in x's dtype (the routed and shared outputs summed in fp32, rounded once).
+
+    After each forward it holds, for the trainer: ``aux_loss`` and ``z_loss`` (fp32 scalars with gradients,
+    unweighted), ``loss`` (their sum weighted by model.moe.aux_loss_coeff and z_loss_coeff: add it to the
+    training loss, scaled as the micro-batch's LM loss is), ``counts`` (``[E]`` int64, this forward's token-slots
+    per expert before capacity) and ``dropped`` (int64 scalar, token-slots the capacity dropped); and, summed
+    over the forwards since the last ``update_bias`` (the step's micro-batches), the buffers ``load`` (``[E]``)
+    and ``dropped_slots``. A forward recomputed by full activation checkpointing counts again: every layer's
+    load then doubles alike, which changes neither its shares nor the sign rule of ``update_bias``.
+    """
+
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, moe: MoeConfig):
+        super().__init__()
+        if ctx.tp.size > 1:
+            raise ValueError("model/moe.py runs on one TP rank for now: tensor and expert parallelism of the experts "
+                             "are not built yet")
+        self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
+        self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
+        self.bias_update_rate = moe.bias_update_rate
+        self.router = Router(cfg, moe)
+        self.experts = Experts(cfg, moe)
+        self.shared: Optional[MLP] = None
+        self.shared_gate: Optional[nn.Parameter] = None
+        if moe.shared_experts > 0:
+            width = moe.shared_ffn_hidden
+            if width is None:  # the shared experts as one FFN of their summed width (DeepSeek)
+                width = self.experts.ffn * moe.shared_experts
+            self.shared = MLP(dataclasses.replace(cfg, ffn_hidden=width, bias=False), ctx)
+            if moe.shared_gate:
+                self.shared_gate = new_param((1, cfg.d_model), None, 1, std=cfg.init_std)
+        self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
+        self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.aux_loss: Optional[torch.Tensor] = None
+        self.z_loss: Optional[torch.Tensor] = None
+        self.loss: Optional[torch.Tensor] = None
+        self.counts: Optional[torch.Tensor] = None
+        self.dropped: Optional[torch.Tensor] = None
+
+    def capacity(self, tokens: int) -> Optional[int]:
+        """Token-slots each expert keeps per forward of ``tokens`` tokens: ceil(factor x tokens x k / E); None
+        when dropless."""
+        if self.capacity_factor is None:
+            return None
+        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        s, b, h = x.shape
+        flat = x.reshape(s * b, h)
+        routing = self.router(flat)
+        y, kept = self.experts(flat, routing.experts, routing.gates, self.capacity(s * b))
+        if self.shared is not None:
+            shared = self.shared(x).reshape(s * b, h).to(y.dtype)
+            if self.shared_gate is not None:
+                with torch.autocast(x.device.type, enabled=False):
+                    shared = shared * torch.sigmoid(F.linear(flat.to(y.dtype), self.shared_gate.to(y.dtype)))
+            y = y + shared
+        self.aux_loss, self.z_loss = routing.aux_loss, routing.z_loss
+        self.loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
+        with torch.no_grad():
+            self.counts, self.dropped = routing.counts, (~kept).sum()
+            self.load += routing.counts
+            self.dropped_slots += self.dropped
+        return y.to(x.dtype).view(s, b, h)
+
+    @torch.no_grad()
+    def update_bias(self, global_counts: Optional[torch.Tensor] = None) -> None:
+        """DeepSeek-V3's aux-loss-free balancing, once an optimizer step, outside autograd: ``expert_bias_e +=
+        rate x sign(mean load - load_e)`` (an overloaded expert is chosen less often, an idle one more).
+        ``global_counts [E]``: each expert's token-slots of the step over all data-parallel ranks (the
+        all-reduced ``load``); None uses this rank's ``load``. Resets ``load`` and ``dropped_slots``."""
+        counts = (self.load if global_counts is None else global_counts).to(torch.float64)
+        if self.bias_update_rate > 0:
+            step = self.bias_update_rate * torch.sign(counts.mean() - counts)
+            self.router.expert_bias += step.to(self.router.expert_bias)
+        self.load.zero_()
+        self.dropped_slots.zero_()
