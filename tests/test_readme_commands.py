@@ -23,17 +23,22 @@ What happens to each command:
   dotlist value wins, so the line may set none of these but the step count and the directories; a run reaches
   its last step, writes a finite loss and the record of an interval the line sets, and its saved
   ``config.yaml`` holds every value the line gives. The first ``python train.py`` line runs as a subprocess,
-  the first ``torchrun`` line as ``python -m torch.distributed.run --standalone`` (a free rendezvous port); the
-  others run ``train.main`` on N ranks forked with torchrun's environment by tests/dist_harness.py (the launch is
-  the same for every line; a fresh interpreter costs ~3 CPU-s), except a line that sets environment variables
-  (``VAR=value python train.py ...``), which runs as written.
+  the ``torchrun`` line with the fewest ranks (the first of them) as ``python -m torch.distributed.run
+  --standalone`` (a free rendezvous port); the others run ``train.main`` on N ranks forked with torchrun's
+  environment by tests/dist_harness.py (the launch is the same for every line; a fresh interpreter costs ~3
+  CPU-s), except a line that sets environment variables (``VAR=value python train.py ...``), which runs as
+  written.
 * the same as a template, and ``sbatch ... scripts/slurm/train.sbatch CONFIG [key=value ...]``: **validated** --
   everything train.py checks before any process group exists, at the line's own launch (``--nnodes M
   --nproc-per-node N``; sbatch: ``--nodes`` x ``--ntasks-per-node``, 8 by default): the --config file check,
   load_config, validate_config, make_layout and the data and tokenizer check (unless the data is a
   ``/path/to/`` placeholder).
-* ``python scripts/X.py ...``, ``python -m package.module ...`` (not a template): **run** as written, a
-  subprocess in the block's directory; it must exit 0 without a traceback.
+* ``python scripts/X.py ...``, ``python -m package.module ...`` (not a template): **run** as written in the
+  block's directory; it must exit 0 without a traceback. It runs as ``python`` would run it (its sys.argv, a
+  fresh interpreter's sys.path, the environment, exit status, tracebacks) in a process forked from
+  tests/dist_harness.py's forkserver, which has torch imported, with the project's modules dropped
+  (tests/test_scripts_bad_input.py's ``run_as_python``: ~3 CPU-s less a line), except a line that sets
+  environment variables, which runs as a subprocess.
 * the same as a template: the script exists and every ``--option`` the line gives appears in its source.
 * ``python -m pytest ...``: never run (this test is part of the suite); the paths it names exist and ``-n``
   has pytest-xdist.
@@ -295,8 +300,10 @@ def _unique(blocks: List[Block]) -> List[Block]:
 
 
 RUN_BLOCKS = _unique([b for b in BLOCKS if b.acts])
-FIRST = {launcher: next((c for b in RUN_BLOCKS for c in b.commands if _runs(c) and c.kind == "train"
-                         and c.launch()[0] == launcher), None) for launcher in ("python", "torchrun")}
+FIRST = {launcher: min((c for b in RUN_BLOCKS for c in b.commands if _runs(c) and c.kind == "train"
+                        and c.launch()[0] == launcher), key=lambda c: c.launch()[2], default=None)
+         for launcher in ("python", "torchrun")}
+"""The line of each launcher that runs as written: the first with the fewest ranks (a fresh interpreter each)."""
 
 
 # ---- the fast checks: what each command is, templates marked, paths and options that exist --------------------
@@ -432,8 +439,8 @@ def _run(argv: List[str], cwd: Path, env: Optional[Dict[str, str]] = None) -> su
 
 def _run_forked(args: List[str], nproc: int, cwd: Path) -> subprocess.CompletedProcess:
     """``train.py args`` on N ranks forked by tests/dist_harness.py with torchrun's environment, instead of N
-    fresh interpreters (~3 CPU-s each to import torch and the project). The first python and the first torchrun
-    line run as written (``_run``), so each launch is covered once; every other line differs from them only in
+    fresh interpreters (~3 CPU-s each to import torch and the project). The ``FIRST`` python and torchrun
+    lines run as written (``_run``), so each launch is covered once; every other line differs from them only in
     what train.py does with its arguments. Rank 0's output is the result's; a traceback on any rank is put into
     its stderr."""
     from tests.dist_harness import run_world, train_main
@@ -442,6 +449,21 @@ def _run_forked(args: List[str], nproc: int, cwd: Path) -> subprocess.CompletedP
     code = next((c for c, _, _ in ranks if c != 0), 0)
     err = ranks[0][2] + "".join(e for _, _, e in ranks[1:] if "Traceback" in e)
     return subprocess.CompletedProcess(["(forked ranks)", "train.py", *args], code, ranks[0][1], err)
+
+
+def _run_script(cmd: Command, cwd: Path) -> subprocess.CompletedProcess:
+    """A script line (``python scripts/X.py ...``, ``python -m module ...``) as ``python`` runs it, in a process forked
+    from the preloaded forkserver (tests/test_scripts_bad_input.py's ``run_as_python``) instead of a fresh
+    interpreter; a line that sets environment variables runs as a subprocess (they reach a fresh interpreter only:
+    what torch reads at its import, say)."""
+    from tests.test_scripts_bad_input import run_as_python
+
+    if cmd.env or cmd.argv[0] != "python":
+        return _run(cmd.argv, cwd, cmd.env)
+    p, late = run_as_python(cmd.argv[1:], cwd, _env(), TIMEOUT_S)
+    if late:
+        raise AssertionError(f"{cmd.where}: did not finish in {TIMEOUT_S} s:\n{p.stdout[-2000:]}\n{p.stderr[-3000:]}")
+    return p
 
 
 def _tail(cmd: Command, p: subprocess.CompletedProcess) -> str:
@@ -470,7 +492,7 @@ def test_doc_block_works_as_written(block: Block, stand_ins, monkeypatch, tmp_pa
         elif cmd.kind == "train":
             _train(cmd, scratch, tmp_path / f"run{n}", steps_reached)
         elif _runs(cmd):
-            p = _run(cmd.argv, scratch, cmd.env)
+            p = _run_script(cmd, scratch)
             assert p.returncode == 0 and "Traceback" not in p.stderr, _tail(cmd, p)
 
 

@@ -277,10 +277,6 @@ def _expand(argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str]:
     return args, needle
 
 
-def _command(script: str) -> List[str]:
-    return [sys.executable, *script.split()] if script.startswith("-m ") else [sys.executable, f"scripts/{script}"]
-
-
 @functools.lru_cache(maxsize=None)
 def _fresh_sys_path(pythonpath: str) -> Tuple[str, ...]:
     """``sys.path`` of a fresh interpreter in this environment, after its first entry (the script's directory)."""
@@ -291,19 +287,27 @@ def _fresh_sys_path(pythonpath: str) -> Tuple[str, ...]:
     return tuple(json.loads(out))
 
 
-# What ``python scripts/X.py ARGS`` (or ``python -m module ARGS``) does after start-up, run in a process forked from
-# the preloaded forkserver (a string given to ``exec``: the child imports nothing to find it). ARGS: (root, command,
-# environment, sys.path after its first entry, stdout file, stderr file).
+# What ``python SCRIPT ARGS`` (or ``python -m MODULE ARGS``) does after start-up, run in a process forked from the
+# preloaded forkserver (a string given to ``exec``: the child imports nothing to find it). ARGS: (the repository
+# root, the working directory, the command after ``python``, the environment, sys.path after its first entry, the
+# stdout and stderr files).
 _AS_PYTHON_RUNS_IT = r"""
-import atexit, os, runpy, sys, traceback
-root, command, env, fresh_path, out_file, err_file = ARGS
+import atexit, itertools, multiprocessing.process, os, runpy, sys, traceback
+root, cwd, command, env, fresh_path, out_file, err_file = ARGS
 for fd, name in ((1, out_file), (2, err_file)):
     f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
     os.dup2(f, fd)
     os.close(f)
-os.chdir(root)
+os.chdir(cwd)
 os.environ.clear()
 os.environ.update(env)
+if "torch" in sys.modules and env.get("OMP_NUM_THREADS", "").isdigit():  # what torch's import reads from it
+    sys.modules["torch"].set_num_threads(int(env["OMP_NUM_THREADS"]))
+mp = multiprocessing.process  # a main process, as in a fresh interpreter (for a script that starts workers)
+me = mp.current_process()
+me._identity, me._name, me._parent_pid = (), "MainProcess", None
+me._config.pop("daemon", None)
+mp._parent_process, mp._children, mp._process_counter = None, set(), itertools.count(1)
 def ours(module):
     try:
         places = [getattr(module, "__file__", None)]
@@ -318,13 +322,14 @@ for name, module in list(sys.modules.items()):  # the project's modules: the scr
         del sys.modules[name]
 try:
     if command[0] == "-m":
-        sys.path[:] = [root, *fresh_path]
+        sys.path[:] = [os.getcwd(), *fresh_path]
         sys.argv = ["-m", *command[2:]]
         runpy.run_module(command[1], run_name="__main__", alter_sys=True)
     else:
-        sys.path[:] = [os.path.dirname(os.path.join(root, command[0])), *fresh_path]
+        script = os.path.abspath(command[0])
+        sys.path[:] = [os.path.dirname(os.path.realpath(script)), *fresh_path]
         sys.argv = list(command)
-        runpy.run_path(os.path.join(root, command[0]), run_name="__main__")
+        runpy.run_path(script, run_name="__main__")
     code = 0
 except SystemExit as e:
     code = 0 if e.code is None else e.code
@@ -342,21 +347,21 @@ os._exit(code)
 _START = threading.Lock()  # processes are started one at a time (the forkserver's connection)
 
 
-def _run(script: str, argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str, subprocess.CompletedProcess]:
-    """``python scripts/SCRIPT ARGS`` from the repository root (the module docstring says how it is run)."""
+def run_as_python(command: List[str], cwd: Path, env: Dict[str, str],
+                  timeout: float) -> Tuple[subprocess.CompletedProcess, bool]:
+    """``python COMMAND`` (a script and its arguments, or ``-m module ...``) in ``cwd`` with ``env``, forked from
+    tests/dist_harness.py's forkserver as the module docstring says: (exit code, stdout and stderr as a
+    CompletedProcess; whether it ran past ``timeout`` seconds: then it got SIGTERM, and SIGKILL 60 s later)."""
     from tests.dist_harness import _context
 
-    args, needle = _expand(argv, paths)
-    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
-                                                            "MASTER_PORT", "GPT_COMM_TRACE")}
-    command = [*script.split(), *args] if script.startswith("-m ") else [f"scripts/{script}", *args]
-    with tempfile.TemporaryDirectory(prefix="bad-input-") as streams:  # not under tmp_path: its files are checked
+    with tempfile.TemporaryDirectory(prefix="as-python-") as streams:  # not under the caller's tmp_path
         out_file, err_file = os.path.join(streams, "stdout"), os.path.join(streams, "stderr")
-        child_args = (str(ROOT), command, env, list(_fresh_sys_path(env.get("PYTHONPATH", ""))), out_file, err_file)
-        p = _context().Process(target=exec, args=(_AS_PYTHON_RUNS_IT, {"ARGS": child_args}), daemon=True)
+        child_args = (str(ROOT), str(cwd), list(command), dict(env),
+                      list(_fresh_sys_path(env.get("PYTHONPATH", ""))), out_file, err_file)
+        p = _context().Process(target=exec, args=(_AS_PYTHON_RUNS_IT, {"ARGS": child_args}))
         with _START:
             p.start()
-        p.join(TIMEOUT_S)
+        p.join(timeout)
         late = p.exitcode is None
         if late:  # it started real work: SIGTERM first (bench_cluster.py removes namespaces)
             p.terminate()
@@ -368,9 +373,19 @@ def _run(script: str, argv: List[str], paths: Dict[str, str]) -> Tuple[List[str]
             out = f.read()
         with open(err_file, errors="replace") as f:
             err = f.read()
+    return subprocess.CompletedProcess([sys.executable, *command], p.exitcode, out, err), late
+
+
+def _run(script: str, argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str, subprocess.CompletedProcess]:
+    """``python scripts/SCRIPT ARGS`` from the repository root (the module docstring says how it is run)."""
+    args, needle = _expand(argv, paths)
+    env = {k: v for k, v in os.environ.items() if k not in ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR",
+                                                            "MASTER_PORT", "GPT_COMM_TRACE")}
+    command = [*script.split(), *args] if script.startswith("-m ") else [f"scripts/{script}", *args]
+    r, late = run_as_python(command, ROOT, env, TIMEOUT_S)
     if late:
-        err = f"still running after {TIMEOUT_S} s (it did not stop at the bad input)\n{err}"
-    return args, needle, subprocess.CompletedProcess(_command(script) + args, p.exitcode, out, err)
+        r.stderr = f"still running after {TIMEOUT_S} s (it did not stop at the bad input)\n{r.stderr}"
+    return args, needle, r
 
 
 def _problem(script: str, case: str, args: List[str], needle: str, r: subprocess.CompletedProcess) -> str:
