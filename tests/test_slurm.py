@@ -110,6 +110,28 @@ class _StepWatch:
         assert f"TresPerTask=cpu:{n}" in self.seen, f"--cpus-per-task={n} did not reach srun: {self.seen}\n{out}"
 
 
+class _Nudge:
+    """While a requeued job waits to start again: once it may start (it was held for its BeginTime, and now pends with
+    no reason), one harmless update of the job, which makes slurmctld run its scheduler. A busy cluster's events do
+    that at once; this idle one would wait for its periodic pass (30-45 s here). Starting it before its BeginTime
+    would fail the launch (the old credentials, "Job credential revoked"); this never does."""
+
+    def __init__(self, cluster: LocalSlurm, job: str):
+        self.cluster, self.job, self.held, self.done = cluster, job, False, False
+
+    def __call__(self) -> None:
+        if self.done:
+            return
+        info = self.cluster.job(self.job)
+        if info.get("JobState") != "PENDING":
+            return
+        if info.get("Reason") == "BeginTime":
+            self.held = True
+        elif self.held and info.get("Reason") == "None":
+            self.cluster.run(["scontrol", "update", f"JobId={self.job}", "Comment=requeued"], check=False, timeout=15)
+            self.done = True
+
+
 def _finished(info: Dict[str, str]) -> bool:
     return info.get("JobState") in ("COMPLETED", "FAILED", "CANCELLED", "TIMEOUT", "NODE_FAIL", "OUT_OF_MEMORY")
 
@@ -180,8 +202,9 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     stopped_at = max(_losses(run_dir))
     assert stopped_at < STEPS
     # a requeued job is held until its old credentials expire (AuthInfo cred_expire: 10 s in the local cluster,
-    # 120 s by default); forcing it to start earlier fails the launch ("Job credential revoked"), so just wait
-    info = _wait(cluster, tmp_path, name, job, _finished, "end after the requeue")
+    # 120 s by default); forcing it to start earlier fails the launch ("Job credential revoked"), so wait for that,
+    # then have the scheduler look at it (_Nudge)
+    info = _wait(cluster, tmp_path, name, job, _finished, "end after the requeue", during=_Nudge(cluster, job))
     out = _output(tmp_path, name, job)
     resumed = _check_trained(cluster, tmp_path, name, job, info)
     assert "[sbatch] SIGUSR1" in out and f"requeueing job {job}" in out, out
