@@ -33,12 +33,13 @@ REPO = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(REPO / "scripts" / "slurm"))
 from local_slurm import LocalSlurm, LocalSlurmError, ensure_packages, missing_binaries  # noqa: E402
 
-STEPS = 30
+STEPS = 20  # scripts/slurm/README.md's smoke submission trains 30; 20 check the same for two thirds of the CPU time
+CKPT_INTERVAL = 10
 # the CPU smoke submission (scripts/slurm/README.md): the sbatch header asks for 8 GPUs, 12 cores per
 # task, 24 h; these flags override that for CPU-only nodes
 CPU_FLAGS = ["--gpus-per-node=0", "--time=10"]
 TRAIN_ARGS = ["device=cpu", f"train.max_steps={STEPS}", "logging.interval=1", "logging.wandb.mode=disabled",
-              "train.eval_interval=0", "checkpoint.interval=20", "checkpoint.keep_last=10",
+              "train.eval_interval=0", f"checkpoint.interval={CKPT_INTERVAL}", "checkpoint.keep_last=10",
               "parallel.timeout_s=60"]
 JOB_TIMEOUT_S = 180.0
 
@@ -159,7 +160,8 @@ def _check_trained(cluster: LocalSlurm, tmp: Path, name: str, job: str, info: Di
     assert losses[STEPS] < losses[1], losses
     ckpts = run_dir / "checkpoints"
     assert (ckpts / "latest").read_text().strip().endswith(f"{STEPS:08d}"), out
-    assert (ckpts / f"step_{20:08d}").is_dir() and (ckpts / f"step_{STEPS:08d}").is_dir(), sorted(ckpts.iterdir())
+    assert (ckpts / f"step_{CKPT_INTERVAL:08d}").is_dir() and (ckpts / f"step_{STEPS:08d}").is_dir(), \
+        sorted(ckpts.iterdir())
     assert f"[train] stopped at step {STEPS} (max_steps)" in out, out
     return losses
 
@@ -193,7 +195,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     name = "usr1-requeue"
     job = _submit(cluster, tmp_path, name, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"])
     run_dir = tmp_path / "runs" / name
-    _wait(cluster, tmp_path, name, job, lambda i: len(_losses(run_dir)) >= 5 or _finished(i), "5 logged steps")
+    _wait(cluster, tmp_path, name, job, lambda i: len(_losses(run_dir)) >= 3 or _finished(i), "3 logged steps")
     assert len(_losses(run_dir)) < STEPS - 5, "the run ended before the signal could be sent"
     cluster.run(["scancel", "--batch", "--signal=USR1", job])  # what --signal=B:USR1@N does at N s before the limit
     info = _wait(cluster, tmp_path, name, job, lambda i: int(i.get("Restarts", "0")) >= 1 or _finished(i),
