@@ -292,7 +292,7 @@ def _fresh_sys_path(pythonpath: str) -> Tuple[str, ...]:
 # root, the working directory, the command after ``python``, the environment, sys.path after its first entry, the
 # stdout and stderr files).
 _AS_PYTHON_RUNS_IT = r"""
-import atexit, itertools, multiprocessing.process, os, runpy, sys, traceback
+import atexit, itertools, multiprocessing.process, os, runpy, sys, threading, traceback
 root, cwd, command, env, fresh_path, out_file, err_file = ARGS
 for fd, name in ((1, out_file), (2, err_file)):
     f = os.open(name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
@@ -339,6 +339,7 @@ except SystemExit as e:
 except BaseException:
     traceback.print_exc()
     code = 1
+threading._shutdown()  # the interpreter's exit: its threads joined, then the atexit handlers
 atexit._run_exitfuncs()
 sys.stdout.flush()
 sys.stderr.flush()
