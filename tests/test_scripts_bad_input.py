@@ -131,6 +131,14 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "malformed": ["!{trace_malformed}"],
         "no_rank_files": ["!{dir}"],
     },
+    "compare_optimizers.py": {
+        **DATA_OVERRIDES,
+        "out_is_a_file": ["--out", "!{text}"],
+        "repeated_seed": ["!--seeds", "1", "2", "1"],
+        "seed_override": ["!train.seed=7"],
+        "steps_0": ["!--steps", "0"],
+        "unknown_row": ["--rows", "!sgd"],
+    },
     "convergence_fp8.py": {
         **DATA_OVERRIDES,
         "out_is_a_file": ["--out", "!{text}"],
