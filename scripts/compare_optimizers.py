@@ -36,7 +36,7 @@ run's own measurement (``model_state_bytes.optimizer`` in metrics.jsonl: the tra
 tensors after the first step) divided by the model's parameter count (``model.flops.parameter_count``). The step
 time is the mean ``step_time_s`` of the steps after the first 5 (start-up). Then per row: each seed's gap, their
 mean, min..max and sample standard deviation, and the issue's bar: Muon's mean final validation loss <= AdamW's;
-8-bit AdamW's and Adafactor's (either row) mean gap within 2% (exit code 1 if a bar is missed). A script, not a
+8-bit AdamW's and Adafactor's (either row) mean gap at most +2% (exit code 1 if a bar is missed). A script, not a
 test: it takes minutes a run.
 """
 from __future__ import annotations
@@ -65,7 +65,7 @@ ROWS = {  # name: (settings as printed, overrides after the default config)
 }
 DEFAULT_ROWS = ["adamw", "adamw8bit", "adafactor", "muon"]
 BASELINE = "adamw"
-WITHIN = 0.02  # adamw8bit and adafactor: |mean gap| of the final validation loss within 2% of AdamW's
+WITHIN = 0.02  # adamw8bit and adafactor: the mean gap of the final validation loss at most +2% (AdamW's + 2%)
 SKIP_STEPS = 5  # start-up steps left out of the step time
 
 
@@ -169,9 +169,11 @@ def main(argv=None) -> int:
                 held = sum(g <= 0 for g in gaps)
                 line += (f"\n  bar (mean val loss <= adamw's, {mean:.4f} vs {base:.4f}): {'yes' if ok else 'NO'}, "
                          f"single seeds at or below adamw: {held} of {len(gaps)}")
-            else:
-                ok = abs(statistics.fmean(gaps)) <= WITHIN
-                line += f"\n  bar: {_seeds.within(gaps, WITHIN)}"
+            else:  # "within 2% of AdamW's": at most 2% worse (a lower loss is no miss)
+                ok = statistics.fmean(gaps) <= WITHIN
+                held = sum(g <= WITHIN for g in gaps)
+                line += (f"\n  bar (mean gap <= +{100 * WITHIN:g}%): {'yes' if ok else 'NO'}, single seeds within it: "
+                         f"{held} of {len(gaps)}")
             failed = failed or not ok
         summary.append(line)
     print("\noptimizer state bytes: measured by each run (metrics.jsonl model_state_bytes.optimizer, after step 1) / "
