@@ -24,6 +24,7 @@ import shutil
 import subprocess
 import sys
 import time
+from datetime import datetime
 from pathlib import Path
 from typing import Dict, List
 
@@ -112,25 +113,25 @@ class _StepWatch:
 
 
 class _Nudge:
-    """While a requeued job waits to start again: once it may start (it was held for its BeginTime, and now pends with
-    no reason), one harmless update of the job, which makes slurmctld run its scheduler. A busy cluster's events do
-    that at once; this idle one would wait for its periodic pass (30-45 s here). Starting it before its BeginTime
-    would fail the launch (the old credentials, "Job credential revoked"); this never does."""
+    """While a requeued job waits to start again: once its EligibleTime (the BeginTime its requeue set) has passed, a
+    harmless update of the job every few seconds, each of which makes slurmctld run its scheduler. A busy cluster's
+    events do that at once; this idle one waited for its periodic pass (15-45 s after the job was eligible). The
+    scheduler itself still never starts the job before its BeginTime (what starting it early would break: its old
+    credentials, "Job credential revoked")."""
 
-    def __init__(self, cluster: LocalSlurm, job: str):
-        self.cluster, self.job, self.held, self.done = cluster, job, False, False
+    def __init__(self, cluster: LocalSlurm, job: str, every_s: float = 3.0):
+        self.cluster, self.job, self.every_s, self.last = cluster, job, every_s, float("-inf")
 
     def __call__(self) -> None:
-        if self.done:
-            return
         info = self.cluster.job(self.job)
-        if info.get("JobState") != "PENDING":
+        try:
+            eligible = datetime.fromisoformat(info.get("EligibleTime", ""))
+        except ValueError:  # Unknown, or not there
             return
-        if info.get("Reason") == "BeginTime":
-            self.held = True
-        elif self.held and info.get("Reason") == "None":
+        if info.get("JobState") == "PENDING" and datetime.now() >= eligible and \
+                time.monotonic() - self.last > self.every_s:
             self.cluster.run(["scontrol", "update", f"JobId={self.job}", "Comment=requeued"], check=False, timeout=15)
-            self.done = True
+            self.last = time.monotonic()
 
 
 def _finished(info: Dict[str, str]) -> bool:
