@@ -286,11 +286,12 @@ def _expand(argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str]:
 
 
 @functools.lru_cache(maxsize=None)
-def _fresh_sys_path(pythonpath: str) -> Tuple[str, ...]:
-    """``sys.path`` of a fresh interpreter in this environment, after its first entry (the script's directory)."""
+def _fresh_sys_path(pythonpath: str, cwd: str) -> Tuple[str, ...]:
+    """``sys.path`` of a fresh interpreter started in ``cwd`` with this ``PYTHONPATH``, after its first entry (the
+    script's directory)."""
     env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
     env.update({"PYTHONPATH": pythonpath} if pythonpath else {})
-    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], cwd="/",
+    out = subprocess.run([sys.executable, "-c", "import json, sys; print(json.dumps(sys.path[1:]))"], cwd=cwd,
                          env=env, capture_output=True, text=True, check=True).stdout
     return tuple(json.loads(out))
 
@@ -366,7 +367,7 @@ def run_as_python(command: List[str], cwd: Path, env: Dict[str, str],
     with tempfile.TemporaryDirectory(prefix="as-python-") as streams:  # not under the caller's tmp_path
         out_file, err_file = os.path.join(streams, "stdout"), os.path.join(streams, "stderr")
         child_args = (str(ROOT), str(cwd), list(command), dict(env),
-                      list(_fresh_sys_path(env.get("PYTHONPATH", ""))), out_file, err_file)
+                      list(_fresh_sys_path(env.get("PYTHONPATH", ""), str(cwd))), out_file, err_file)
         p = _context().Process(target=exec, args=(_AS_PYTHON_RUNS_IT, {"ARGS": child_args}))
         with _START:
             p.start()
