@@ -40,7 +40,7 @@ class ZeroState:
                                              [(a, b, sources[key][at:at + b - a]) for a, b, at in pieces[i]],
                                              sources[key])
                              for key in buffers}
-            if with_optimizer and u.rules is not None:  # another optimizer's states: on the tensor's owner only
+            if with_optimizer and getattr(u, "rules", None) is not None:  # another optimizer's states: their owner's
                 for j, (i, _) in enumerate(u.rule_at):
                     p = u.params[i]
                     views = u.rules.state_views(j, p.spec.tp_offset(tuple(p.shape), self.mesh.tp_rank))
@@ -51,7 +51,7 @@ class ZeroState:
     def forget_staged(self) -> None:
         """A save is done: drop the fp32 views of 8-bit moments it wrote."""
         for u in self.units:
-            if u.rules is not None:
+            if getattr(u, "rules", None) is not None:  # (FP8-LM's units have none)
                 u.rules.forget_staged()
 
     def set_optimizer_steps(self, steps: int) -> None:
@@ -88,7 +88,7 @@ class ZeroState:
             raise ValueError(f"qWD reference kind must be applied or pending, got {reference_kind!r}")
         self._discard_early()
         for u in self.units:  # 8-bit AdamW: the loaded fp32 moments, re-quantized
-            if u.rules is not None:
+            if getattr(u, "rules", None) is not None:  # (FP8-LM's units have none)
                 u.rules.after_load()
         for _, work in self._landing.values():
             work.wait()
@@ -148,6 +148,6 @@ class ZeroState:
 
         params = sum(size(u.full if self.stage < 3 else u.shard, u.secondary, u.reference) for u in self.units)
         grads = sum(size(u.grad_full if self.stage == 1 else u.grad_shard) for u in self.units)
-        optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) + (u.rules.state_bytes() if u.rules else 0)
-                    for u in self.units)
+        optim = sum(size(u.master, u.exp_avg, u.exp_avg_sq) for u in self.units)
+        optim += sum(u.rules.state_bytes() for u in self.units if getattr(u, "rules", None) is not None)
         return {"parameters": params, "gradients": grads, "optimizer": optim, "working_peak": self.working.peak}
