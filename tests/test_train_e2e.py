@@ -9,6 +9,7 @@ import signal
 import socket
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 
@@ -107,21 +108,46 @@ def uninterrupted_losses(tmp_path_factory):
     return losses_by_step(ref_dir)[0]
 
 
+def _train_main_telling_its_pid(pid_file, args):
+    """train.main on a forked rank (tests/dist_harness.py) that first writes its process id, for a test to signal."""
+    from tests.dist_harness import train_main
+
+    Path(pid_file).write_text(str(os.getpid()))
+    return train_main(args, str(ROOT))
+
+
 @pytest.mark.parametrize("how", ["sigterm", "crash"])
 def test_interrupted_run_resumes_with_identical_losses(tmp_path, how, uninterrupted_losses):
-    """The interrupted run is ``python train.py`` (a real process gets the SIGTERM or SIGKILL); the uninterrupted
-    reference and the resumed run are train.main on forked ranks."""
-    steps, common, ref = RESUME_STEPS, RESUME_COMMON, uninterrupted_losses
-    run_dir = tmp_path / "run"
+    """Every run is train.main on a forked rank (a process of its own: the interrupted one gets a real SIGTERM or
+    SIGKILL at step 6); the uninterrupted reference is made once for both."""
+    from tests.dist_harness import run_world
 
-    proc = subprocess.Popen(train_cmd(*common, f"logging.run_dir={run_dir}"), cwd=ROOT, stdout=subprocess.PIPE,
-                            stderr=subprocess.PIPE, text=True, env={**os.environ, "OMP_NUM_THREADS": "1"})
-    _wait_for_step(run_dir, 6, proc)
-    proc.send_signal(signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
-    out, err = proc.communicate(timeout=120)
+    steps, common, ref = RESUME_STEPS, RESUME_COMMON, uninterrupted_losses
+    run_dir, pid_file, outcome = tmp_path / "run", tmp_path / "pid", {}
+
+    def interrupted():
+        try:
+            outcome["ranks"] = run_world(_train_main_telling_its_pid, 1, str(pid_file),
+                                         [*common, f"logging.run_dir={run_dir}"], timeout=300,
+                                         env={"OMP_NUM_THREADS": "1"})
+        except AssertionError as e:  # the rank died (SIGKILL): run_world says so
+            outcome["died"] = str(e)
+
+    thread = threading.Thread(target=interrupted)
+    thread.start()
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 6 for r in records(run_dir)):
+        assert thread.is_alive() and time.time() < deadline, f"step 6 not reached: {outcome}"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGTERM if how == "sigterm" else signal.SIGKILL)
+    thread.join(120)
     if how == "sigterm":
-        assert proc.returncode == 0, err[-3000:]
+        assert "ranks" in outcome, outcome
+        code, out, err = outcome["ranks"][0]
+        assert code == 0, err[-3000:]
         assert "(signal)" in out
+    else:
+        assert "died with exit codes [-9]" in outcome.get("died", ""), outcome
     before, _ = losses_by_step(run_dir)
     stopped_at = max(before)
     assert stopped_at < steps, "the run finished before the interruption; make it longer"
