@@ -1,7 +1,8 @@
 """train.py end to end on the bundled sample corpus (CPU, fp32): in subprocesses (``python train.py``, torchrun, srun's
-environment) where the launch or the process is what a test is about (the default job, a signal or a kill, a dying
-rank, the launchers); elsewhere ``train.main`` on a rank forked by tests/dist_harness.py (``run_forked``: a fresh
-interpreter costs ~3 CPU-s of imports), and a reference run two tests share is made once (a module fixture)."""
+environment) where the launch is what a test is about (the default job, a dying rank without a launcher agent, the
+launchers); elsewhere ``train.main`` on a rank forked by tests/dist_harness.py (``run_forked``; a fresh interpreter
+costs ~3 CPU-s of imports), a process of its own that a test can signal, and a reference run two tests share is made
+once (a module fixture)."""
 import json
 import os
 import re
