@@ -17,18 +17,18 @@ The bottom layer: every package imports its settings from here, and this package
 """
 from config.load import check_config_size, describe, load_config, to_dict, to_yaml
 from config.precision import compute_precision, fp8_operands, gemm_precision, grad_accumulation_precision
-from config.schema import (CHOICES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_CONFIG_BYTES, MAX_D_MODEL, MAX_EVAL_ITERS,
-                           MAX_FP8_MARGIN, MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS, MAX_LOSS_SCALE,
-                           MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN, MAX_TIMEOUT_S,
-                           MAX_VOCAB_SIZE, MU_RANGE, CheckpointConfig, Config, ConfigError, DataConfig, Fp8Config,
-                           LoggingConfig, LossScaleConfig, ModelConfig, ParallelConfig, TrainConfig, WandbConfig,
-                           ZeroConfig)
+from config.schema import (CHOICES, HF_FAMILIES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_CONFIG_BYTES, MAX_D_MODEL,
+                           MAX_EVAL_ITERS, MAX_FP8_MARGIN, MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS,
+                           MAX_LOSS_SCALE, MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN,
+                           MAX_TIMEOUT_S, MAX_VOCAB_SIZE, MU_RANGE, CheckpointConfig, Config, ConfigError, DataConfig,
+                           Fp8Config, LoggingConfig, LossScaleConfig, ModelConfig, ParallelConfig, TrainConfig,
+                           WandbConfig, ZeroConfig)
 from config.validate import validate_config
 
 __all__ = ["compute_precision", "fp8_operands", "gemm_precision", "grad_accumulation_precision", "check_config_size",
-           "describe", "load_config", "to_dict", "to_yaml", "validate_config", "CHOICES", "MAX_AMAX_HISTORY",
-           "MAX_BUCKET_MB", "MAX_CONFIG_BYTES", "MAX_D_MODEL", "MAX_EVAL_ITERS", "MAX_FP8_MARGIN", "MAX_GLOBAL_BATCH",
-           "MAX_IN_FLIGHT", "MAX_LAYERS", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH_TOKENS", "MAX_QGZ_STAGES",
-           "MAX_QUANT_BLOCK", "MAX_SEQ_LEN", "MAX_TIMEOUT_S", "MAX_VOCAB_SIZE", "MU_RANGE", "CheckpointConfig",
-           "Config", "ConfigError", "DataConfig", "Fp8Config", "LoggingConfig", "LossScaleConfig", "ModelConfig",
-           "ParallelConfig", "TrainConfig", "WandbConfig", "ZeroConfig"]
+           "describe", "load_config", "to_dict", "to_yaml", "validate_config", "CHOICES", "HF_FAMILIES",
+           "MAX_AMAX_HISTORY", "MAX_BUCKET_MB", "MAX_CONFIG_BYTES", "MAX_D_MODEL", "MAX_EVAL_ITERS", "MAX_FP8_MARGIN",
+           "MAX_GLOBAL_BATCH", "MAX_IN_FLIGHT", "MAX_LAYERS", "MAX_LOSS_SCALE", "MAX_MICRO_BATCH_TOKENS",
+           "MAX_QGZ_STAGES", "MAX_QUANT_BLOCK", "MAX_SEQ_LEN", "MAX_TIMEOUT_S", "MAX_VOCAB_SIZE", "MU_RANGE",
+           "CheckpointConfig", "Config", "ConfigError", "DataConfig", "Fp8Config", "LoggingConfig", "LossScaleConfig",
+           "ModelConfig", "ParallelConfig", "TrainConfig", "WandbConfig", "ZeroConfig"]

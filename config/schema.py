@@ -6,6 +6,7 @@ from __future__ import annotations
 from dataclasses import dataclass, field
 from typing import List, Optional
 
+from config.moe import MOE_SCORES, MoeConfig
 from config.optimizer import MUON_ADJUST_LR, OPTIMIZERS, AdafactorConfig, Adamw8bitConfig, MuonConfig
 
 
@@ -114,10 +115,15 @@ class ModelConfig:
     """Std of the normal initialisation; output projections use init_std/sqrt(2*n_layers)."""
     activation_checkpointing: str = "off"
     """Recompute activations in backward: off | full (every block) | selective (attention core)."""
+    qk_norm: bool = False
+    """RMSNorm (model.norm_eps, a learned [head_dim] weight each) on every head's queries and keys before RoPE
+    (Qwen3, OLMo 2's per-head form)."""
+    moe: MoeConfig = field(default_factory=MoeConfig)
+    """Mixture of experts (config/moe.py): routed experts in place of the MLP of some layers; 0 experts = dense."""
     hf_model_type: Optional[str] = None
-    """The Hugging Face architecture scripts/export_hf.py writes: llama | qwen2 | mistral; null: qwen2 when the
-    model has q/k/v biases only (model.qkv_bias), else llama. Set by scripts/import_hf.py; the computation
-    depends on the other model keys only."""
+    """The Hugging Face architecture scripts/export_hf.py writes: llama | qwen2 | mistral | qwen3 | mixtral |
+    qwen2_moe | qwen3_moe; null: qwen2 when the model has q/k/v biases only (model.qkv_bias), else llama. Set by
+    scripts/import_hf.py; the computation depends on the other model keys only."""
 
     @property
     def kv_heads(self) -> int:
@@ -435,12 +441,16 @@ class Config:
     """auto (cuda when present) | cpu | cuda."""
 
 
+HF_FAMILIES = ("llama", "qwen2", "mistral", "qwen3", "mixtral", "qwen2_moe", "qwen3_moe")
+"""model.hf_model_type's values: the Hugging Face architectures model/hf.py maps to and from."""
+
 CHOICES = {
     # the values each string setting takes (validate.py checks them; load.py reads YAML's booleans against them)
     "model.activation": ("swiglu", "gelu"),
     "model.norm": ("rmsnorm", "layernorm"),
     "model.rope_scaling": ("none", "linear", "llama3"),
     "model.activation_checkpointing": ("off", "full", "selective"),
+    "model.moe.score": MOE_SCORES,
     "precision": ("fp32", "bf16", "fp16", "fp8"),
     "train.optimizer": OPTIMIZERS,
     "train.muon.adjust_lr": MUON_ADJUST_LR,

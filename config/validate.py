@@ -4,11 +4,12 @@ from __future__ import annotations
 
 import math
 
+from config.moe import validate_moe
 from config.optimizer import validate_optimizer
-from config.schema import (CHOICES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_D_MODEL, MAX_EVAL_ITERS, MAX_FP8_MARGIN,
-                           MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS, MAX_LOSS_SCALE, MAX_MICRO_BATCH_TOKENS,
-                           MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN, MAX_TIMEOUT_S, MAX_VOCAB_SIZE, MU_RANGE,
-                           Config, ConfigError)
+from config.schema import (CHOICES, HF_FAMILIES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_D_MODEL, MAX_EVAL_ITERS,
+                           MAX_FP8_MARGIN, MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS, MAX_LOSS_SCALE,
+                           MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN, MAX_TIMEOUT_S,
+                           MAX_VOCAB_SIZE, MU_RANGE, Config, ConfigError)
 
 
 def _get(cfg: Config, dotted: str):
@@ -83,8 +84,8 @@ def validate_config(cfg: Config) -> None:
              f"model.rope_low_freq_factor={m.rope_low_freq_factor} and model.rope_high_freq_factor="
              f"{m.rope_high_freq_factor} must satisfy 0 < low < high (llama3 RoPE scaling)")
         within("model.rope_original_max_positions", 1, MAX_SEQ_LEN, "config.MAX_SEQ_LEN")
-    need(m.hf_model_type in (None, "llama", "qwen2", "mistral"),
-         f"model.hf_model_type={m.hf_model_type!r} is not one of [None, 'llama', 'qwen2', 'mistral']")
+    need(m.hf_model_type in (None,) + HF_FAMILIES,
+         f"model.hf_model_type={m.hf_model_type!r} is not one of {[None, *HF_FAMILIES]}")
     need(m.seq_len <= m.max_positions,
          f"model.seq_len={m.seq_len} exceeds the model's maximum model.max_seq_len={m.max_positions}")
     if m.ffn_hidden is not None:
@@ -160,6 +161,7 @@ def validate_config(cfg: Config) -> None:
          f"zero.quant_error_interval={z.quant_error_interval} needs zero.quantized_weights or "
          f"zero.quantized_gradients (nothing is quantized)")
     validate_optimizer(cfg, need)
+    validate_moe(cfg, need)
     f = cfg.fp8
     within("fp8.amax_history_len", 1, MAX_AMAX_HISTORY, "config.MAX_AMAX_HISTORY steps")
     within("fp8.margin", 0, MAX_FP8_MARGIN, "config.MAX_FP8_MARGIN: a larger one flushes every value to zero")

@@ -18,8 +18,10 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from config import ModelConfig
+from config.moe import is_moe_layer
 from model.init import init_parameters
 from model.layers import Block, Norm, TPContext, forked
+from model.moe import MoE
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
 
@@ -37,7 +39,8 @@ class GPTChunk(nn.Module):
         if first:
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, ctx.tp, sequence_parallel=sp,
                                                     std=cfg.init_std)
-        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx) for i in self.layer_ids})
+        self.layers = nn.ModuleDict({str(i): Block(cfg, ctx, MoE(cfg, ctx, cfg.moe) if is_moe_layer(cfg.moe, i)
+                                                   else None) for i in self.layer_ids})
         if last:
             self.final_norm = Norm(cfg, ctx)
             # FP8 output head only when asked (fp8.output_head): by default it stays in the compute dtype

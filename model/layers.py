@@ -223,14 +223,15 @@ class ResidualDropout(nn.Module):
 
 
 class Block(nn.Module):
-    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.))."""
+    """Pre-norm transformer block: x + attn(norm(x)), then + mlp(norm(.)). ``mlp``: what replaces the dense MLP
+    (an MoE layer's ``model/moe.py MoE``, built by the caller); None = the dense MLP."""
 
-    def __init__(self, cfg: ModelConfig, ctx: TPContext):
+    def __init__(self, cfg: ModelConfig, ctx: TPContext, mlp: Optional[nn.Module] = None):
         super().__init__()
         self.attn_norm = Norm(cfg, ctx)
         self.attn = Attention(cfg, ctx)
         self.mlp_norm = Norm(cfg, ctx)
-        self.mlp = MLP(cfg, ctx)
+        self.mlp = mlp if mlp is not None else MLP(cfg, ctx)
         self.drop = ResidualDropout(cfg.dropout, ctx)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:

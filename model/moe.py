@@ -181,6 +181,25 @@ class Experts(nn.Module):
         return y, kept.view(T, k)
 
 
+class _AddAuxLoss(torch.autograd.Function):
+    """Identity on the block's output whose backward also starts the balancing loss's: ``d loss / d loss = scale``,
+    the factor the trainer multiplies each micro-batch's LM loss by before its backward (loss scale / micro-batches),
+    so the auxiliary terms are added to the training loss as if summed into it, on any pipeline stage, without the
+    schedule carrying them (Megatron-Core's MoEAuxLossAutoScaler)."""
+
+    @staticmethod
+    def forward(ctx, y: torch.Tensor, loss: torch.Tensor, scale: torch.Tensor) -> torch.Tensor:
+        ctx.loss_meta = (loss.shape, loss.dtype)
+        ctx.save_for_backward(scale)
+        return y.view_as(y)
+
+    @staticmethod
+    def backward(ctx, grad: torch.Tensor):
+        (scale,) = ctx.saved_tensors
+        shape, dtype = ctx.loss_meta
+        return grad, scale.to(dtype).expand(shape), None
+
+
 class MoE(nn.Module):
     """Router, routed experts and optional shared experts in place of an MLP; ``forward(x [s, b, h]) -> [s, b, h]``
     in x's dtype (the routed and shared outputs summed in fp32, rounded once).
@@ -189,9 +208,13 @@ class MoE(nn.Module):
     unweighted), ``loss`` (their sum weighted by model.moe.aux_loss_coeff and z_loss_coeff: add it to the
     training loss, scaled as the micro-batch's LM loss is), ``counts`` (``[E]`` int64, this forward's token-slots
     per expert before capacity) and ``dropped`` (int64 scalar, token-slots the capacity dropped); and, summed
-    over the forwards since the last ``update_bias`` (the step's micro-batches), the buffers ``load`` (``[E]``)
-    and ``dropped_slots``. A forward recomputed by full activation checkpointing counts again: every layer's
-    load then doubles alike, which changes neither its shares nor the sign rule of ``update_bias``.
+    over the training forwards since the last ``update_bias`` (the step's micro-batches), the buffers ``load``
+    (``[E]``), ``dropped_slots``, ``aux_sum``, ``z_sum`` and ``forwards``. A forward recomputed by full activation
+    checkpointing counts again: every sum then doubles alike, which changes neither the load's shares, the dropped
+    fraction, the losses' means nor the sign rule of ``update_bias``.
+
+    In training (``self.training`` with gradients on) ``loss`` reaches the backward through ``_AddAuxLoss`` with
+    the factor in the buffer ``aux_scale``, which the trainer sets to its LM loss's (loss scale / micro-batches).
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, moe: MoeConfig):
@@ -215,6 +238,10 @@ class MoE(nn.Module):
                 self.shared_gate = new_param((1, cfg.d_model), None, 1, std=cfg.init_std)
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("z_sum", torch.zeros((), dtype=torch.float64), persistent=False)
+        self.register_buffer("forwards", torch.zeros((), dtype=torch.int64), persistent=False)
+        self.register_buffer("aux_scale", torch.ones((), dtype=torch.float32), persistent=False)
         self.aux_loss: Optional[torch.Tensor] = None
         self.z_loss: Optional[torch.Tensor] = None
         self.loss: Optional[torch.Tensor] = None
@@ -243,9 +270,17 @@ class MoE(nn.Module):
         self.loss = self.aux_loss_coeff * routing.aux_loss + self.z_loss_coeff * routing.z_loss
         with torch.no_grad():
             self.counts, self.dropped = routing.counts, (~kept).sum()
-            self.load += routing.counts
-            self.dropped_slots += self.dropped
-        return y.to(x.dtype).view(s, b, h)
+        out = y.to(x.dtype).view(s, b, h)
+        if self.training:
+            with torch.no_grad():
+                self.load += routing.counts
+                self.dropped_slots += self.dropped
+                self.aux_sum += routing.aux_loss.detach().double()
+                self.z_sum += routing.z_loss.detach().double()
+                self.forwards += 1
+            if (self.aux_loss_coeff or self.z_loss_coeff) and torch.is_grad_enabled() and self.loss.requires_grad:
+                out = _AddAuxLoss.apply(out, self.loss, self.aux_scale)
+        return out
 
     @torch.no_grad()
     def update_bias(self, global_counts: Optional[torch.Tensor] = None) -> None:
@@ -257,5 +292,11 @@ class MoE(nn.Module):
         if self.bias_update_rate > 0:
             step = self.bias_update_rate * torch.sign(counts.mean() - counts)
             self.router.expert_bias += step.to(self.router.expert_bias)
-        self.load.zero_()
-        self.dropped_slots.zero_()
+        self.reset_stats()
+
+    @torch.no_grad()
+    def reset_stats(self) -> None:
+        """Zero the sums kept over a step's forwards (``load``, ``dropped_slots``, ``aux_sum``, ``z_sum``,
+        ``forwards``)."""
+        for t in (self.load, self.dropped_slots, self.aux_sum, self.z_sum, self.forwards):
+            t.zero_()

@@ -34,6 +34,7 @@ from parallel.optim_rules import COMPUTE_DTYPES
 from parallel.pipeline import PipelineRunner
 from parallel.random import RNGTracker
 from parallel.zero.sharded import ZeroDataParallel
+from training.moe import MoeTracker
 from training.optim import LossScaler, LRSchedule
 
 MAX_CONSECUTIVE_SKIPS = 50
@@ -81,6 +82,7 @@ class Engine:
             self.dp = DataParallel(cfg, mesh, self.chunks, self.params)
         else:
             self.dp = ZeroDataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
+        self.moe = MoeTracker(cfg, mesh, self.chunks)
         seq = m.seq_len // layout.tp if mesh.sequence_parallel else m.seq_len
         self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
         self.lr_schedule = LRSchedule(cfg.train)
@@ -118,6 +120,7 @@ class Engine:
         # the weights anyway (ZeRO-3 gathers them per module: a copy of all would undo its sharding)
         keep = self.fp8_scaling is not None and self.cfg.zero.stage < 3
         copies = self.fp8_scaling.step_copies() if keep else contextlib.nullcontext()
+        self.moe.set_scale(self.scaler.scale / num_mb)
         with copies:
             losses = self.runner.run(batch, num_mb, grad_scale=self.scaler.scale / num_mb, compute=self.autocast,
                                      dtype=self.compute_dtype, before_last_backward=self.dp.before_last_backward)
@@ -150,7 +153,8 @@ class Engine:
             self.dp.plan_step(lr, self.scaler.scale)
         losses = self.forward_backward(batch)
         terms = self.dp.norm_terms()
-        mine = [self._loss_term(losses), terms]
+        moe = self.moe.terms()  # the MoE layers' step sums (training/moe.py; empty for a dense model)
+        mine = [self._loss_term(losses), terms, moe]
         if extra is not None:
             mine.append(extra().to(device=self.mesh.device, dtype=torch.float64).reshape(-1))
         comm.mark("scalars")
@@ -158,6 +162,7 @@ class Engine:
         comm.all_reduce(totals, self.mesh.world)
         loss = totals[0].item() / self.mesh.layout.dp
         norm, finite = self.dp.clip(self.scaler.scale, self.cfg.train.grad_clip, totals[1:1 + terms.numel()])
+        after = 1 + terms.numel() + moe.numel()
         comm.mark("step")
         if finite:
             self.dp.step(lr)
@@ -174,8 +179,10 @@ class Engine:
         self.step += 1
         stats: Dict[str, Any] = {"loss": loss, "grad_norm": norm, "lr": lr, "skipped": not finite,
                                  "loss_scale": scale}
+        if self.moe:  # after the optimizer step: the expert biases move by the step's global load
+            stats["moe"] = self.moe.after_step(totals[1 + terms.numel():after], taken=finite)
         if extra is not None:
-            stats["extra"] = totals[1 + terms.numel():]
+            stats["extra"] = totals[after:]
         return stats
 
     @torch.no_grad()

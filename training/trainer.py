@@ -343,6 +343,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
                         "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time(),
                         **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {}),
+                        **({"moe": stats["moe"]} if "moe" in stats else {}),
                         **({"recompiles": recompiles()} if engine.compiled else {}),
                         # zero.early_step: this step kept its early gathers (the next step's forward uses them); a
                         # skipped step keeps nothing (the strategy's flag is the last step taken's)
