@@ -61,10 +61,19 @@ ROPE_SCALING_KEYS = {"linear": ("rope_scaling_factor",),
 """The settings each RoPE scaling also depends on (recorded with it)."""
 
 
+MOE_KEYS = ("num_experts", "top_k", "ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_gate", "layer_freq",
+            "first_dense")
+"""The model.moe settings that shape the parameters (recorded as ``moe`` for a model with experts)."""
+
+
 def model_record(model: ModelConfig) -> Dict[str, Any]:
-    """What meta.json records of the model: MODEL_KEYS and the RoPE scaling's own settings."""
+    """What meta.json records of the model: MODEL_KEYS, the RoPE scaling's own settings and, with experts, the
+    model.moe settings that shape the parameters (``moe``; None for a dense model)."""
     keys = MODEL_KEYS + ROPE_SCALING_KEYS.get(model.rope_scaling, ())
-    return {k: getattr(model, k) for k in keys}
+    record = {k: getattr(model, k) for k in keys}
+    moe = model.moe
+    record["moe"] = {k: getattr(moe, k) for k in MOE_KEYS} if moe.num_experts else None
+    return record
 
 
 def _chain(e: BaseException) -> List[BaseException]:
@@ -161,6 +170,8 @@ class Checkpointer:
         scaling = self.engine.fp8_scaling
         if scaling is not None and fp8:
             state.update({f"fp8.{k}": v for k, v in scaling.state_dict().items()})
+        # the MoE layers' expert biases (buffers, identical on every rank that holds the layer: saved once)
+        state.update({f"model.{name}": t for name, t in self.engine.moe.buffers.items()})
         for name, entry in self.engine.dp.checkpoint_state(with_optimizer).items():
             p = self.engine.params[name]
             key = p.spec.shared_with or name
@@ -431,7 +442,7 @@ class Checkpointer:
         """The run's model settings that differ from those the checkpoint records, one phrase each. Settings it
         does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
         attention every checkpoint had n_kv_heads = n_heads."""
-        saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none",
+        saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none", "moe": None,
                  **meta["model"]}
         if "head_dim" not in saved and "d_model" in saved and saved.get("n_heads"):
             saved["head_dim"] = saved["d_model"] // saved["n_heads"]  # before model.kv_channels
