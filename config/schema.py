@@ -166,6 +166,11 @@ class ParallelConfig:
     """Split norm/dropout/residual regions along the sequence across the TP group."""
     virtual_stages: int = 1
     """Model chunks per pipeline rank (interleaved 1F1B when > 1)."""
+    ep: int = 1
+    """Expert-parallel size (Megatron's expert_model_parallel_size): each group of ep consecutive data-parallel
+    ranks splits every MoE layer's routed experts (model.moe.num_experts / ep each) and exchanges tokens with
+    all-to-alls; must divide the data-parallel size. Expert gradients are summed over the dp / ep ranks holding
+    the same experts (the expert-data-parallel group). 1 = every rank holds every expert."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; default from the launcher (LOCAL_WORLD_SIZE / SLURM). Lets one machine simulate nodes."""
     bucket_mb: float = 25.0
