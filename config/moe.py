@@ -100,5 +100,12 @@ def validate_moe(cfg, need: Callable[[bool, str], None]) -> None:
         value = getattr(e, key)
         need(math.isfinite(value) and value >= 0, f"model.moe.{key}={value} must be a number >= 0 (0 = off)")
     need(not m.bias, "model.bias=true with model.moe.num_experts > 0: the router and the experts have no biases")
+    ep = cfg.parallel.ep
+    need(ep == 1 or cfg.zero.stage == 0,
+         f"parallel.ep={ep} with zero.stage={cfg.zero.stage} is not built yet: expert parallelism runs with "
+         f"zero.stage=0 (ZeRO shards the routed experts over the whole data-parallel group)")
+    need(ep == 1 or cfg.precision != "fp8",
+         f"parallel.ep={ep} with precision=fp8 is not built yet: FP8-LM's data-parallel strategy has no "
+         f"expert-data-parallel groups (use parallel.ep=1, every rank holding every expert)")
     need(cfg.parallel.tp == 1, f"model.moe.num_experts > 0 runs with parallel.tp=1 only for now (got "
          f"parallel.tp={cfg.parallel.tp}): tensor and expert parallelism of the experts are not built yet")

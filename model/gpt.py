@@ -116,7 +116,7 @@ def build_chunks(cfg: ModelConfig, ctx: TPContext, pp: int, virtual_stages: int,
     chunks = []
     for v, layers in chunk_layers(cfg, pp, virtual_stages, pp_rank):
         chunk = GPTChunk(cfg, ctx, layers, first=v == 0, last=v == last_v, tied_copy=cfg.tie_embeddings and last_v > 0)
-        init_parameters(chunk, seed, ctx.tp.rank, ctx.tp.size)
+        init_parameters(chunk, seed, ctx.tp.rank, ctx.tp.size, ctx.ep.rank if ctx.ep is not None else 0)
         chunks.append(chunk.to(device))
     return chunks
 

@@ -17,7 +17,9 @@ from parallel.random import derive_seed
 
 
 @torch.no_grad()
-def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) -> None:
+def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int, ep_rank: int = 0) -> None:
+    """Every parameter of ``module`` as the single-process model's, sliced to this rank's TP piece and, for routed
+    experts split over expert parallelism (``ParamSpec.ep_size``), its EP rank's experts."""
     for name, p in module.named_parameters():
         spec = p.spec
         if spec.init == "ones":
@@ -29,4 +31,6 @@ def init_parameters(module: nn.Module, seed: int, tp_rank: int, tp_size: int) ->
             full = torch.empty(spec.global_shape).normal_(0.0, spec.std, generator=g)
         if spec.tp_dim is not None:  # this rank's piece (several TP ranks may hold the same one)
             full = full.chunk(spec.tp_pieces(tp_size), dim=spec.tp_dim)[spec.tp_piece(tp_rank)]
+        if spec.expert:
+            full = full.chunk(spec.ep_size, dim=0)[ep_rank]
         p.copy_(full)

@@ -52,6 +52,9 @@ class TPContext:
     kv_group: Optional[Group] = None
     """Grouped-query attention with fewer KV heads than TP ranks: the consecutive TP ranks holding this
     rank's KV head (``Mesh.tp_kv_group``); None when KV heads are split over TP."""
+    ep: Optional[Group] = None
+    """Expert parallelism: the DP ranks that split the routed experts (``Mesh.ep``); None or one rank = every
+    expert here."""
 
 
 class Norm(nn.Module):

@@ -38,7 +38,9 @@ from torch import nn
 from config import ModelConfig
 from config.moe import MoeConfig
 from model.layers import MLP, TPContext
+from parallel.comm import Group
 from parallel.cpu_gemm import linear, upcasts
+from parallel.expert_parallel import run_experts
 from parallel.tensor_parallel import new_param, scaled_init_std
 
 
@@ -119,15 +121,17 @@ class Experts(nn.Module):
 
     ``grouped``: None picks by ``grouped_gemm_runs``; True or False forces a path (tests compare the two)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: Optional[Group] = None):
         super().__init__()
         self.num_experts, self.d_model = moe.num_experts, cfg.d_model
         self.ffn = moe.ffn_hidden if moe.ffn_hidden is not None else cfg.ffn_size
         self.swiglu = cfg.activation == "swiglu"
+        self.ep = ep if ep is not None and ep.size > 1 else None
+        split = {"ep_size": ep.size} if self.ep is not None else {}  # this EP rank's experts (dim 0)
         lead = (2,) if self.swiglu else ()
         E, d, f = moe.num_experts, cfg.d_model, self.ffn
-        self.w_up = new_param((E,) + lead + (f, d), None, 1, std=cfg.init_std)
-        self.w_down = new_param((E, d, f), None, 1, std=scaled_init_std(cfg.init_std, cfg.n_layers))
+        self.w_up = new_param((E,) + lead + (f, d), None, 1, std=cfg.init_std, **split)
+        self.w_down = new_param((E, d, f), None, 1, std=scaled_init_std(cfg.init_std, cfg.n_layers), **split)
         self.grouped: Optional[bool] = None
 
     def use_grouped(self, dtype: torch.dtype, device: torch.device) -> bool:
@@ -143,7 +147,8 @@ class Experts(nn.Module):
         return F.gelu(h, approximate="tanh")
 
     def _ffn(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
-        """Each expert's FFN of its rows of ``xs`` (``[N, d]``, sorted by expert, ``counts [E]`` rows each)."""
+        """Each expert's FFN of its rows of ``xs`` (``[N, d]``, sorted by expert, ``counts [E]`` rows each; this EP
+        rank's experts under expert parallelism)."""
         up = self.w_up.flatten(1, -2).to(xs.dtype)  # [E, (2) F, d]
         down = self.w_down.to(xs.dtype)  # [E, d, F]
         if self.use_grouped(xs.dtype, xs.device):
@@ -175,7 +180,10 @@ class Experts(nn.Module):
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         wide = torch.promote_types(dtype, torch.float32)
         with torch.autocast(x.device.type, enabled=False):
-            out = self._ffn(x[token].to(dtype), counts)
+            if self.ep is not None:  # the slots travel to their experts' EP ranks and back (expert_parallel.py)
+                out = run_experts(x[token].to(dtype), counts, self.ep, self._ffn)
+            else:
+                out = self._ffn(x[token].to(dtype), counts)
             weighted = out.to(wide) * gates.flatten()[order].to(wide)[:, None]
             y = torch.zeros((T, x.shape[-1]), dtype=wide, device=x.device).index_add(0, token, weighted)
         return y, kept.view(T, k)
@@ -226,7 +234,7 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.bias_update_rate = moe.bias_update_rate
         self.router = Router(cfg, moe)
-        self.experts = Experts(cfg, moe)
+        self.experts = Experts(cfg, moe, ctx.ep)
         self.shared: Optional[MLP] = None
         self.shared_gate: Optional[nn.Parameter] = None
         if moe.shared_experts > 0:

@@ -413,6 +413,23 @@ def all_to_all(out: torch.Tensor, inp: torch.Tensor, group: Group, async_op: boo
         _wire(out), _wire(inp), group=group.pg, async_op=async_op)), async_op)
 
 
+def all_to_all_v(out: torch.Tensor, inp: torch.Tensor, out_splits: List[int], in_splits: List[int], group: Group,
+                 async_op: bool = False):
+    """Uneven all-to-all along dim 0: the next ``in_splits[i]`` rows of ``inp`` go to member i, and ``out``
+    receives ``out_splits[j]`` rows from member j, in member order (expert parallelism's token dispatch). The
+    ledger counts the rows that leave this rank."""
+    if group.size == 1:
+        out.copy_(inp)
+        return _Done() if async_op else None
+    row = _nbytes(inp) // max(inp.shape[0], 1)
+    group.ledger.record("all_to_all", group, (sum(in_splits) - in_splits[group.rank]) * row)
+    if group.reverse is not None and group.pairwise_gather:
+        return _handle(_guarded("all_to_all", group, lambda: _exchange(
+            list(inp.split(in_splits)), list(out.split(out_splits)), group, async_op)), async_op)
+    return _handle(_guarded("all_to_all", group, lambda: dist.all_to_all_single(
+        _wire(out), _wire(inp), out_splits, in_splits, group=group.pg, async_op=async_op)), async_op)
+
+
 def broadcast(t: torch.Tensor, src: int, group: Group) -> None:
     """In-place broadcast from group rank ``src``."""
     if group.size == 1:

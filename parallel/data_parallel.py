@@ -39,8 +39,13 @@ from parallel.zero.dcp_view import shard_view
 
 
 class GradBuckets:
-    def __init__(self, params: Sequence[nn.Parameter], dp: Group, bucket_mb: float, overlap: bool = True):
+    def __init__(self, params: Sequence[nn.Parameter], dp: Group, bucket_mb: float, overlap: bool = True,
+                 divisor: Optional[int] = None):
+        """``divisor``: what the summed gradients are divided by (default the group's size: its mean). Routed
+        experts under expert parallelism reduce over their expert-data-parallel group but divide by the whole DP
+        size: each EP rank's expert gradients already hold the contributions of its EP group's tokens."""
         self.dp, self.overlap = dp, overlap
+        self.divisor = divisor if divisor is not None else dp.size
         self.params = [p for p in params if p.requires_grad]
         self.buckets: List[torch.Tensor] = []
         self.members: List[List[nn.Parameter]] = []
@@ -99,7 +104,7 @@ class GradBuckets:
     def _launch(self, i: int) -> None:
         buf = self.buckets[i]
         if self.dp.size > 1:
-            buf.div_(self.dp.size)
+            buf.div_(self.divisor)
             self._works.append(comm.all_reduce(buf, self.dp, async_op=True))
         self._next = i + 1
 
@@ -111,6 +116,8 @@ class GradBuckets:
             for p in self.params:
                 if p.grad is None:
                     p.grad = torch.zeros_like(p)
+                elif self.divisor > 1:  # one rank in the group, yet a mean over more (experts: edp = 1 < dp)
+                    p.grad.div_(self.divisor)
         while self._next < len(self.buckets):
             self._launch(self._next)
         for work in self._works:
@@ -122,8 +129,18 @@ class GradBuckets:
 class DataParallel:
     def __init__(self, cfg, mesh: Mesh, chunks: Sequence[nn.Module], params: Dict[str, nn.Parameter]):
         self.mesh, self.params = mesh, params
-        self.buckets = [GradBuckets(list(c.parameters()), mesh.dp, cfg.parallel.bucket_mb,
-                                    cfg.parallel.overlap_grad_reduce) for c in chunks]
+        par = cfg.parallel
+        # per chunk, the dense parameters' buckets over DP and, under expert parallelism, the routed experts' over
+        # their expert-data-parallel group (ParamSpec.expert), divided by the whole DP size
+        self.buckets = [GradBuckets([p for p in c.parameters() if not p.spec.expert], mesh.dp, par.bucket_mb,
+                                    par.overlap_grad_reduce) for c in chunks]
+        self._expert_of_chunk: Dict[int, GradBuckets] = {}
+        for i, c in enumerate(chunks):
+            experts = [p for p in c.parameters() if p.spec.expert]
+            if experts:
+                self._expert_of_chunk[i] = GradBuckets(experts, mesh.edp, par.bucket_mb, par.overlap_grad_reduce,
+                                                       divisor=mesh.dp.size)
+        self.expert_buckets = list(self._expert_of_chunk.values())
         # train.optimizer: torch's AdamW, or the other rules tensor by tensor (optimizers/tensor_rules.py)
         self.rules: Optional[TensorRules] = None
         self.optimizer_steps = 0
@@ -137,15 +154,17 @@ class DataParallel:
                       and (n == EMBEDDING or p.spec.shared_with == EMBEDDING)]
 
     def zero_grad(self) -> None:
-        for b in self.buckets:
+        for b in self.buckets + self.expert_buckets:
             b.zero_grad()
 
     def before_last_backward(self, chunk: int) -> None:
         self.buckets[chunk].start_sync()
+        if chunk in self._expert_of_chunk:
+            self._expert_of_chunk[chunk].start_sync()
 
     def finish_grads(self) -> None:
         """DP mean, then the reductions model parallelism needs: SP norm weights over TP, tied embeddings."""
-        for b in self.buckets:
+        for b in self.buckets + self.expert_buckets:
             b.finish()
         if self._sp_params and self.mesh.tp.size > 1:
             # each TP rank normalised only its sequence slice: sum the partial norm-weight gradients
@@ -162,13 +181,19 @@ class DataParallel:
         """This rank's addends to the step's world sum (float64, ``Engine.train_step``): the squared norm of
         the gradients it owns on DP rank 0, nothing on the others (every DP replica holds the same gradients),
         so the world's sum is the model-parallel group's."""
-        if self.mesh.dp_rank != 0:
-            return torch.zeros(1, dtype=torch.float64, device=self.mesh.device)
-        return local_grad_sq(list(self.params.values()), self.mesh.tp_rank, self.mesh.device).double()
+        mesh = self.mesh
+        total = torch.zeros(1, dtype=torch.float64, device=mesh.device)
+        if mesh.dp_rank == 0:
+            dense = [p for p in self.params.values() if not p.spec.expert]
+            total += local_grad_sq(dense, mesh.tp_rank, mesh.device).double()
+        if mesh.edp_rank == 0 and self.expert_buckets:  # the first of the DP ranks holding these experts
+            experts = [p for b in self.expert_buckets for p in b.params]
+            total += local_grad_sq(experts, mesh.tp_rank, mesh.device).double()
+        return total
 
     def clip(self, loss_scale: float, max_norm: float, terms: torch.Tensor) -> Tuple[float, bool]:
         """Unscale and clip, given ``norm_terms`` summed over the world."""
-        buffers = [g for b in self.buckets for g in b.grads()]
+        buffers = [g for b in self.buckets + self.expert_buckets for g in b.grads()]
         return unscale_and_clip(buffers, terms[0].item(), loss_scale, max_norm)
 
     def step(self, lr: float) -> None:
@@ -189,7 +214,7 @@ class DataParallel:
             spec = p.spec
             tensors = {"model": p.data}
             if with_optimizer and self.rules is not None:
-                offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+                offset = spec.local_offset(tuple(p.shape), self.mesh.tp_rank, self.mesh.ep_rank)
                 views = self.rules.state_views(i, offset)
                 out[name] = {k: shard_view(g, loc, off, [(0, t.numel(), t.view(-1))], t)
                              for k, (g, loc, off, t) in views.items()}
@@ -198,8 +223,8 @@ class DataParallel:
             if with_optimizer:
                 st = self._adam_state(p)
                 tensors.update(exp_avg=st["exp_avg"], exp_avg_sq=st["exp_avg_sq"])
-            if spec.tp_replicas > 1:  # a piece held by several TP ranks: no DTensor placement says that
-                offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+            if spec.tp_replicas > 1 or spec.expert:  # a piece held by several TP (or DP) ranks: no placement says it
+                offset = spec.local_offset(tuple(p.shape), self.mesh.tp_rank, self.mesh.ep_rank)
                 out[name] = {k: shard_view(spec.global_shape, tuple(p.shape), offset, [(0, t.numel(), t.view(-1))], t)
                              for k, t in tensors.items()}
                 continue
@@ -209,8 +234,8 @@ class DataParallel:
 
     def _model_view(self, p: nn.Parameter, mesh) -> torch.Tensor:
         spec = p.spec
-        if spec.tp_replicas > 1:
-            offset = spec.tp_offset(tuple(p.shape), self.mesh.tp_rank)
+        if spec.tp_replicas > 1 or spec.expert:
+            offset = spec.local_offset(tuple(p.shape), self.mesh.tp_rank, self.mesh.ep_rank)
             return shard_view(spec.global_shape, tuple(p.shape), offset, [(0, p.numel(), p.data.view(-1))], p.data)
         place = [Replicate(), Shard(spec.tp_dim) if spec.tp_dim is not None else Replicate()]
         return DTensor.from_local(p.data, mesh, place, run_check=False)
@@ -250,5 +275,6 @@ class DataParallel:
             state = [t for st in self.optimizer.state.values() for t in st.values()
                      if isinstance(t, torch.Tensor) and t.numel() > 1]
         return {"parameters": sum(p.numel() * p.element_size() for p in self.params.values()),
-                "gradients": sum(p.numel() * p.element_size() for b in self.buckets for p in b.params),
+                "gradients": sum(p.numel() * p.element_size() for b in self.buckets + self.expert_buckets
+                                 for p in b.params),
                 "optimizer": sum(t.numel() * t.element_size() for t in state), "working_peak": 0}

@@ -28,6 +28,9 @@ class Layout:
     sequence_parallel: bool
     num_microbatches: int
     """Micro-batches per optimizer step on each data-parallel rank."""
+    ep: int = 1
+    """Expert-parallel size: runs of ep consecutive DP ranks split the routed experts (``ep_ranks``); the DP ranks
+    holding the same experts, one per run, are the expert-data-parallel group (``edp_ranks``)."""
 
     def coords(self, rank: int) -> Tuple[int, int, int]:
         """(pp_rank, dp_rank, tp_rank) of a global rank."""
@@ -50,6 +53,17 @@ class Layout:
     def pp_ranks(self, rank: int) -> List[int]:
         _, d, t = self.coords(rank)
         return [self.rank_of(p, d, t) for p in range(self.pp)]
+
+    def ep_ranks(self, rank: int) -> List[int]:
+        """The ep consecutive DP peers (this rank among them) that split the routed experts."""
+        peers = self.dp_ranks(rank)
+        at = peers.index(rank) // self.ep * self.ep
+        return peers[at:at + self.ep]
+
+    def edp_ranks(self, rank: int) -> List[int]:
+        """The DP peers holding the same experts as this rank (one per EP group; dp / ep of them)."""
+        peers = self.dp_ranks(rank)
+        return peers[peers.index(rank) % self.ep::self.ep]
 
     def dp_intra_ranks(self, rank: int) -> List[int]:
         """DP peers on this rank's node (size X)."""
@@ -86,7 +100,8 @@ class Layout:
 
     def describe(self) -> str:
         return (f"world={self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}"
-                f" (virtual_stages={self.virtual_stages}, sequence_parallel={self.sequence_parallel},"
+                + (f" (ep {self.ep} of the dp ranks)" if self.ep > 1 else "")
+                + f" (virtual_stages={self.virtual_stages}, sequence_parallel={self.sequence_parallel},"
                 f" ranks_per_node={self.ranks_per_node}, dp_intra={self.dp_intra_size},"
                 f" dp_inter={self.dp_inter_size}, microbatches={self.num_microbatches})")
 
@@ -141,10 +156,19 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
     rpn = min(rpn, world_size)  # a job smaller than a node sits on one node
     need(rpn < 1 or rpn % tp == 0,
          f"tensor parallelism would span nodes: parallel.tp={tp} does not divide parallel.ranks_per_node={rpn}")
+    ep, experts = par.ep, m.moe.num_experts
+    need(ep >= 1, f"parallel.ep={ep} must be >= 1")
+    if ep > 1:
+        need(experts > 0, f"parallel.ep={ep} needs routed experts (model.moe.num_experts > 0)")
+        need(dp % ep == 0, f"parallel.ep={ep} does not divide the data-parallel size {dp} (world {world_size} / "
+                           f"(tp={tp} x pp={pp}))")
+        need(experts <= 0 or experts % ep == 0,
+             f"model.moe.num_experts={experts} is not divisible by parallel.ep={ep} (each EP rank holds "
+             f"num_experts / ep experts)")
     if errors:
         raise ConfigError("impossible parallel layout:\n  - " + "\n  - ".join(errors))
     layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=rpn,
-                    sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb)
+                    sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb, ep=ep)
     sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}
     if len(sizes) != 1:
         raise ConfigError(f"impossible parallel layout: data-parallel peers are spread unevenly over nodes "

@@ -66,6 +66,7 @@ class Mesh:
         self.ledger = Ledger()
         self.timeout = default_timeout(device)  # of every group, as of world (parallel.timeout_s)
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(self.rank)
+        self.ep_rank, self.edp_rank = self.dp_rank % layout.ep, self.dp_rank // layout.ep
         options = {dim: _pg_options(device, self.timeout) for dim in ("pp", "dp", "tp")}
         self.device_mesh: DeviceMesh = init_device_mesh(
             device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"),
@@ -82,6 +83,10 @@ class Mesh:
             self.dp.reverse = twin if self.dp.link == "inter" else None
         self.dp_intra = self._new_groups("dp_intra", layout.dp_intra_ranks)
         self.dp_inter = self._new_groups("dp_inter", layout.dp_inter_ranks, twin=True)
+        # expert parallelism: the runs of ep DP peers that split the experts, and the peers holding the same ones
+        # (with ep = 1: this rank alone, and the DP group itself)
+        self.ep = self._new_groups("ep", layout.ep_ranks) if layout.ep > 1 else self._group("ep", [self.rank], None)
+        self.edp = self._new_groups("edp", layout.edp_ranks) if layout.ep > 1 else self.dp
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
         self._hpz: Dict[int, Group] = {}
@@ -171,8 +176,8 @@ class Mesh:
         return self.device_mesh["dp", "tp"]
 
     def groups(self) -> Dict[str, Group]:
-        return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter,
-                                    self.embedding, self.mp, *self._hpz.values(), *(self._gather or ()),
+        return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter, self.ep,
+                                    self.edp, self.embedding, self.mp, *self._hpz.values(), *(self._gather or ()),
                                     *self._tp_kv.values())}
 
     def __repr__(self) -> str:

@@ -55,6 +55,22 @@ class ParamSpec:
     K/V weights when there are fewer KV heads than TP ranks). Each holder's gradient is already the full
     gradient of its piece (the layer sums it over the holders in backward)."""
 
+    ep_size: int = 1
+    """Expert parallelism: dim 0 (the routed experts) is split into this many pieces, EP rank r holding piece r
+    (``model/moe.py Experts``); its gradient is summed over the expert-data-parallel group, not DP."""
+
+    @property
+    def expert(self) -> bool:
+        """Whether this parameter is split over the EP group (dim 0)."""
+        return self.ep_size > 1
+
+    def local_offset(self, local_shape: Tuple[int, ...], tp_rank: int, ep_rank: int) -> List[int]:
+        """Where this rank's local tensor starts in the global one (its TP piece and its EP piece)."""
+        offset = self.tp_offset(local_shape, tp_rank)
+        if self.expert:
+            offset[0] += ep_rank * local_shape[0]
+        return offset
+
     def tp_pieces(self, tp_size: int) -> int:
         """How many distinct pieces the TP group holds (1: replicated)."""
         return 1 if self.tp_dim is None else tp_size // self.tp_replicas
@@ -84,6 +100,7 @@ def new_param(global_shape: Tuple[int, ...], tp_dim: Optional[int], tp_size: int
     shape = list(global_shape)
     if tp_dim is not None:
         shape[tp_dim] //= tp_size // spec.get("tp_replicas", 1)
+    shape[0] //= spec.get("ep_size", 1)
     return set_spec(nn.Parameter(torch.empty(shape)), ParamSpec(tuple(global_shape), tp_dim, **spec))
 
 

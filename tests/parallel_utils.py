@@ -62,15 +62,19 @@ def build_engine(cfg: Config) -> Engine:
 
 def local_grads(engine: Engine) -> Dict[str, tuple]:
     """Each rank's gradient shards of DP replica 0: name -> (tp_dim, TP piece, grad) (several TP ranks may hold
-    the same piece: grouped-query attention's replicated KV heads)."""
+    the same piece: grouped-query attention's replicated KV heads); routed experts split over expert parallelism
+    come from the EP group of DP rank 0, as (0, EP rank, grad)."""
     if hasattr(engine.dp, "unsharded_grads"):  # ZeRO: gather the shards (a collective over DP)
         grads = engine.dp.unsharded_grads()
     else:
         grads = {n: p.grad.detach().clone() for n, p in engine.params.items()}
-    if engine.mesh.dp_rank != 0:
+    mesh = engine.mesh
+    if mesh.edp_rank != 0:
         return {}
-    return {n: (p.spec.tp_dim, p.spec.tp_piece(engine.mesh.tp_rank), grads[n]) for n, p in engine.params.items()
-            if p.spec.shared_with is None}
+    # routed experts under expert parallelism: EP rank r holds piece r of dim 0 (the first DP replica of each)
+    return {n: (0, mesh.ep_rank, grads[n]) if p.spec.expert else
+            (p.spec.tp_dim, p.spec.tp_piece(mesh.tp_rank), grads[n]) for n, p in engine.params.items()
+            if p.spec.shared_with is None and (mesh.dp_rank == 0 or p.spec.expert)}
 
 
 def assemble(per_rank: List[Dict[str, tuple]]) -> Dict[str, torch.Tensor]:

@@ -57,7 +57,7 @@ class Engine:
         # FP8 linears where their operands are cast to FP8; with 16-bit GEMMs the linears are the 16-bit ones
         quantized = fp8 and fp8_operands(cfg.fp8)
         ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if quantized else None,
-                        kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None)
+                        kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None, ep=mesh.ep)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
