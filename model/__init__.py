@@ -7,5 +7,5 @@ training/ or the entry points (like nanoGPT's model, it knows nothing of the tra
   layers.py  attention (SDPA, grouped-query), MLP, norms, the block; TP/SP context
   init.py    every parameter drawn whole from a generator seeded by its global name
   flops.py   parameter count and FLOPs per token
-  hf.py      the mapping to and from Hugging Face Llama
+  hf/        the mapping to and from Hugging Face (settings, config.json, tensor names)
 """
