@@ -1,0 +1,203 @@
+"""Mixture of experts in the trainer: the balancing losses' gradients against a plain-autograd reference, every
+layout (DP, PP, ZeRO 1-3, expert parallelism alone and with DP and PP, capacity drops) against the one-process
+run, the expert bias's update, checkpoints that resume and reshard between ep sizes, and bad settings.
+
+The one-process run is itself checked against a reference outside the code under test: its step-0 gradients equal
+those of ``LM loss + sum over MoE layers of (aux_coeff x aux + z_coeff x z)`` backpropagated by plain autograd
+(``_AddAuxLoss`` switched off by a zero scale), and ``tests/test_moe_block.py`` checks the block against a float64
+per-token reference and transformers' MoE blocks.
+"""
+from __future__ import annotations
+
+from typing import Any, Dict, List
+
+import pytest
+import torch
+
+from tests.dist_harness import run_world
+from tests.parallel_utils import (assert_grads_match, batch_fn, build_engine, checkpoint_worker, local_grads,
+                                  tiny_config)
+
+MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=32", "model.moe.aux_loss_coeff=0.01",
+       "model.moe.z_loss_coeff=0.001", "model.moe.bias_update_rate=0.01", "train.seed=3"]
+STEPS = 4
+
+
+def moe_worker(overrides: List[str], steps: int) -> Dict[str, Any]:
+    """Train ``steps`` steps; the losses, the step-0 gradients, each step's MoE record and the final expert biases."""
+    engine = build_engine(tiny_config(*MOE, *overrides))
+    losses, records, grads = [], [], None
+    for step in range(steps):
+        stats = engine.train_step(batch_fn(engine, step))
+        losses.append(stats["loss"])
+        records.append(stats["moe"])
+        if step == 0:
+            grads = local_grads(engine)
+    biases = {name: t.clone() for name, t in engine.moe.buffers.items()}
+    return {"losses": losses, "grads": grads, "records": records, "biases": biases,
+            "val": engine.eval_loss(batch_fn(engine, 1000))}
+
+
+@pytest.fixture(scope="module")
+def reference() -> Dict[str, Any]:
+    return run_world(moe_worker, 1, [], STEPS)[0]
+
+
+def _autograd_worker():
+    overrides = ["train.global_batch_size=2", "model.moe.aux_loss_coeff=0.5", "model.moe.z_loss_coeff=0.1"]
+    engine = build_engine(tiny_config(*MOE, *overrides))
+    twin = build_engine(tiny_config(*MOE, *overrides))  # the same initial weights, a second copy
+    tokens, labels = batch_fn(engine, 0)(0)
+    engine.train_step(batch_fn(engine, 0))
+    [chunk] = twin.chunks
+    for m in twin.moe.modules.values():
+        m.aux_scale.zero_()  # no injected gradient: the terms are added to the loss by hand below
+    lm = chunk(tokens, labels)
+    total = lm + sum(m.aux_loss_coeff * m.aux_loss + m.z_loss_coeff * m.z_loss for m in twin.moe.modules.values())
+    total.backward()
+    without = {n: p.grad.clone() for n, p in twin.params.items()}
+    for p in twin.params.values():
+        p.grad = None
+    chunk(tokens, labels).backward()  # the LM loss alone: the terms must matter for the check to mean anything
+    router = "layers.0.mlp.router.weight"
+    moved = (without[router] - twin.params[router].grad).abs().max().item()
+    # the engine has stepped: its gradients are still in p.grad (stage 0, one rank)
+    return {n: (p.grad - without[n]).abs().max().item() / without[n].abs().max().clamp_min(1e-12).item()
+            for n, p in engine.params.items()}, moved
+
+
+
+def test_balancing_losses_reach_the_gradients_as_plain_autograd_does():
+    """One process, one micro-batch: the engine's step-0 gradients equal plain autograd's of the LM loss plus the
+    weighted auxiliary and z losses of every MoE layer (a mutation that drops _AddAuxLoss, or scales it by the
+    micro-batch count twice, fails this)."""
+    errors, moved = run_world(_autograd_worker, 1)[0]
+    assert moved > 1e-4, f"the balancing terms barely change the router's gradient ({moved:.2e}): a weak check"
+    worst = max(errors, key=errors.get)
+    assert errors[worst] < 1e-5, f"{worst}: gradient differs from plain autograd by {errors[worst]:.2e}"
+
+
+LAYOUTS = {
+    "dp2": (2, []),
+    "pp2": (2, ["parallel.pp=2"]),
+    "zero1": (2, ["zero.stage=1"]),
+    "zero3": (2, ["zero.stage=3"]),
+    "ep2": (2, ["parallel.ep=2"]),
+    "ep4": (4, ["parallel.ep=4"]),
+    "ep2_dp4": (4, ["parallel.ep=2"]),
+    "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
+    "ep2_full_recompute": (2, ["parallel.ep=2", "model.activation_checkpointing=full"]),
+}
+
+
+@pytest.mark.parametrize("layout", list(LAYOUTS))
+def test_layout_equals_one_process(reference, layout):
+    world, overrides = LAYOUTS[layout]
+    results = run_world(moe_worker, world, overrides, STEPS)
+    last = results[-1]
+    assert last["losses"] == pytest.approx(reference["losses"], rel=1e-5), (last["losses"], reference["losses"])
+    assert last["val"] == pytest.approx(reference["val"], rel=1e-5)
+    assert_grads_match([r["grads"] for r in results], reference["grads"])
+    for r in results:  # every rank holding a layer moved its bias as the one process did
+        for name, bias in r["biases"].items():
+            torch.testing.assert_close(bias, reference["biases"][name], rtol=0, atol=1e-7)
+    for got, want in zip(last["records"], reference["records"]):
+        assert got["layers"].keys() == want["layers"].keys()
+        for layer, row in got["layers"].items():
+            assert row["load_max_over_mean"] == pytest.approx(want["layers"][layer]["load_max_over_mean"])
+            assert row["aux_loss"] == pytest.approx(want["layers"][layer]["aux_loss"], rel=1e-5)
+
+
+def _bias_worker():
+    engine = build_engine(tiny_config(*MOE))
+    m = engine.moe.modules[0]
+    stats = engine.train_step(batch_fn(engine, 0))
+    return stats["moe"], m.router.expert_bias.clone()
+
+
+
+def test_bias_moves_against_the_load_and_is_reported():
+    """After one step each expert's bias moved by -rate x sign(load - mean load) (rate 0.01); the record says the
+    range the step routed with (zero) and a load ratio >= 1."""
+    record, bias = run_world(_bias_worker, 1)[0]
+    row = record["layers"]["0"]
+    assert row["bias_min"] == row["bias_max"] == 0.0
+    assert row["load_max_over_mean"] >= 1.0 and record["load_max_over_mean"] >= row["load_max_over_mean"]
+    rate = torch.tensor(0.01).item()  # in the bias's fp32
+    assert set(bias.abs().tolist()) <= {rate, 0.0} and bias.abs().max().item() == rate
+    assert bias.sum().abs().item() < 0.05  # overloaded experts go down, idle ones up
+
+
+def test_capacity_drops_the_same_slots_under_expert_parallelism():
+    capacity = ["model.moe.capacity_factor=0.5"]
+    one = run_world(moe_worker, 1, capacity, 2)[0]
+    split = run_world(moe_worker, 2, capacity + ["parallel.ep=2"], 2)[-1]
+    dropped = [r["layers"]["0"]["dropped_frac"] for r in one["records"]]
+    assert dropped[0] > 0.1, "capacity 0.5 should drop slots"
+    assert [r["layers"]["0"]["dropped_frac"] for r in split["records"]] == pytest.approx(dropped)
+    assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+
+
+def test_checkpoint_at_ep4_resumes_at_ep2_and_ep1_on_the_same_curve(tmp_path):
+    full = run_world(checkpoint_worker, 1, MOE, "none", 6, str(tmp_path / "straight"))[0]
+    run_world(checkpoint_worker, 4, MOE + ["parallel.ep=4"], "fresh", 3, str(tmp_path / "ckpt"))
+    for world, ep in ((2, 2), (1, 1)):
+        resumed = run_world(checkpoint_worker, world, MOE + [f"parallel.ep={ep}"], "resume", 6,
+                            str(tmp_path / "ckpt"))[-1]
+        assert [resumed[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], rel=1e-5), ep
+
+
+def _bias_checkpoint_worker(ckpt_dir: str):
+    from training.checkpoint import Checkpointer, CheckpointError
+
+    cfg = tiny_config(*MOE)
+    engine = build_engine(cfg)
+    for step in range(2):
+        engine.train_step(batch_fn(engine, step))
+    saved = {n: t.clone() for n, t in engine.moe.buffers.items()}
+    path = Checkpointer(cfg, ckpt_dir, engine).save(2, 16)
+    again = build_engine(cfg)
+    Checkpointer(cfg, ckpt_dir, again).load(path)
+    dense = build_engine(tiny_config())
+    try:
+        Checkpointer(tiny_config(), ckpt_dir, dense).load(path)
+        refused = None
+    except CheckpointError as e:
+        refused = str(e)
+    return saved, {n: t.clone() for n, t in again.moe.buffers.items()}, refused
+
+
+
+def test_expert_bias_is_saved_and_a_dense_checkpoint_is_refused(tmp_path):
+    """The resumed run's biases are the saved ones (not zeros); a dense model cannot load an MoE checkpoint."""
+    saved, loaded, refused = run_world(_bias_checkpoint_worker, 1, str(tmp_path / "c"))[0]
+    assert any(t.abs().max() > 0 for t in saved.values())
+    for name in saved:
+        assert torch.equal(saved[name], loaded[name]), name
+    assert refused is not None and "model.moe" in refused
+
+
+@pytest.mark.parametrize("overrides,fragment", [
+    (["model.moe.num_experts=4", "model.moe.top_k=5"], "model.moe.top_k=5 must be in [1, model.moe.num_experts=4]"),
+    (["model.moe.num_experts=4", "parallel.ep=2"], "parallel.ep=2 does not divide the data-parallel size 1"),
+    (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor=0"),
+    (["model.moe.num_experts=4", "model.moe.capacity_factor=-1.5"], "model.moe.capacity_factor=-1.5"),
+    (["parallel.ep=2"], "parallel.ep=2 needs routed experts"),
+])
+def test_bad_settings_are_one_line_and_exit_2(overrides, fragment, capsys):
+    import train
+
+    assert train.main(overrides + ["train.max_steps=1"]) == 2
+    err = capsys.readouterr().err
+    lines = [line for line in err.splitlines() if fragment in line]
+    assert len(lines) == 1 and "Traceback" not in err, err
+
+
+def test_experts_not_divisible_by_ep_is_refused_by_the_layout():
+    from config import ConfigError
+    from parallel.layout import make_layout
+
+    cfg = tiny_config("model.moe.num_experts=3", "parallel.ep=2", "train.global_batch_size=8")
+    with pytest.raises(ConfigError, match=r"model.moe.num_experts=3 is not divisible by parallel.ep=2"):
+        make_layout(cfg, 4, 4)
+    assert make_layout(tiny_config("model.moe.num_experts=4", "parallel.ep=2"), 4, 4).ep == 2
