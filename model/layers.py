@@ -131,6 +131,10 @@ class Attention(nn.Module):
     (``n_kv_heads < n_heads``, each KV head shared by ``n_heads / n_kv_heads`` consecutive query heads):
     ``q`` ``[n_heads * hd, d]`` and ``kv`` ``[2, n_kv_heads * hd, d]``, computed by one GEMM
     (``GroupedQKVLinear``); KV heads split over TP, or replicated when there are fewer than TP ranks.
+
+    ``model.qk_norm`` (Qwen3, OLMo 2's per-head form): each head's query and key vectors are RMS-normalised over
+    head_dim (``model.norm_eps``, in fp32 like ``Norm``) with a learned ``[head_dim]`` weight each,
+    ``q_norm.weight`` and ``k_norm.weight`` shared by every head, before RoPE.
     """
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext):
@@ -154,8 +158,24 @@ class Attention(nn.Module):
         self.proj = RowParallelLinear(cfg.q_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
                                       std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
         self.rotary = Rotary(cfg)
+        self.qk_norm, self.eps = cfg.qk_norm, cfg.norm_eps
+        if cfg.qk_norm:
+            # each TP rank normalises only its own heads, so with tp > 1 (sequence parallel or not) these weights'
+            # gradients are partial sums: the spec asks for their sum over TP, as sequence-parallel norms do
+            partial = ctx.tp.size > 1
+            self.q_norm = nn.ParameterDict({"weight": new_param((cfg.head_dim,), None, 1, init="ones",
+                                                                sequence_parallel=partial)})
+            self.k_norm = nn.ParameterDict({"weight": new_param((cfg.head_dim,), None, 1, init="ones",
+                                                                sequence_parallel=partial)})
+
+    def _head_norm(self, x: torch.Tensor, weight: torch.Tensor) -> torch.Tensor:
+        """RMSNorm of every head's vector ``x [..., head_dim]`` in fp32, returned in x's dtype."""
+        with torch.autocast(x.device.type, enabled=False):
+            return F.rms_norm(x.float(), (self.head_dim,), weight.float(), self.eps).to(x.dtype)
 
     def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+        if self.qk_norm:  # before RoPE; inside the selective checkpoint, so recomputed rather than saved
+            q, k = self._head_norm(q, self.q_norm.weight), self._head_norm(k, self.k_norm.weight)
         # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank
         q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads

@@ -53,7 +53,7 @@ from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_
 FORMAT_VERSION = 1
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
 MODEL_KEYS = ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_size", "activation",
-              "norm", "tie_embeddings", "bias", "qkv_bias", "norm_eps", "rope_theta", "rope_scaling")
+              "norm", "tie_embeddings", "bias", "qkv_bias", "norm_eps", "rope_theta", "rope_scaling", "qk_norm")
 """The model settings meta.json records; a checkpoint loads only into a model with the same ones."""
 ROPE_SCALING_KEYS = {"linear": ("rope_scaling_factor",),
                      "llama3": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
@@ -443,6 +443,7 @@ class Checkpointer:
         does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
         attention every checkpoint had n_kv_heads = n_heads."""
         saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none", "moe": None,
+                 "qk_norm": False,
                  **meta["model"]}
         if "head_dim" not in saved and "d_model" in saved and saved.get("n_heads"):
             saved["head_dim"] = saved["d_model"] // saved["n_heads"]  # before model.kv_channels
