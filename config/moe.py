@@ -107,5 +107,8 @@ def validate_moe(cfg, need: Callable[[bool, str], None]) -> None:
     need(ep == 1 or cfg.precision != "fp8",
          f"parallel.ep={ep} with precision=fp8 is not built yet: FP8-LM's data-parallel strategy has no "
          f"expert-data-parallel groups (use parallel.ep=1, every rank holding every expert)")
-    need(cfg.parallel.tp == 1, f"model.moe.num_experts > 0 runs with parallel.tp=1 only for now (got "
-         f"parallel.tp={cfg.parallel.tp}): tensor and expert parallelism of the experts are not built yet")
+    tp = cfg.parallel.tp
+    shared = e.shared_ffn_hidden if e.shared_ffn_hidden is not None else \
+        (e.ffn_hidden if e.ffn_hidden is not None else m.ffn_size) * e.shared_experts
+    need(e.shared_experts == 0 or shared % tp == 0,
+         f"the shared experts' width {shared} (model.moe.shared_ffn_hidden) is not divisible by parallel.tp={tp}")

@@ -38,6 +38,7 @@ from torch import nn
 from config import ModelConfig
 from config.moe import MoeConfig
 from model.layers import MLP, TPContext
+from parallel import comm
 from parallel.comm import Group
 from parallel.cpu_gemm import linear, upcasts
 from parallel.expert_parallel import run_experts
@@ -55,6 +56,20 @@ def grouped_gemm_runs(dtype: torch.dtype, device: torch.device, *widths: int) ->
         return False
     # a 16-bit CPU GEMM without 16-bit matrix instructions is faster on fp32 upcasts: the loop's cpu_gemm.linear
     return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and not upcasts(dtype))
+
+
+@torch.compiler.disable
+def _sequence_counts(counts: torch.Tensor, sp: Group) -> Tuple[torch.Tensor, torch.Tensor]:
+    """Sequence parallelism: (every slice's counts summed, the counts of the slices before this TP rank's)."""
+    every = counts.new_empty((sp.size,) + tuple(counts.shape))
+    comm.all_gather(every, counts[None].contiguous(), sp)
+    return every.sum(0), every[:sp.rank].sum(0)
+
+
+def _count(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
+    """``[E]`` int64: how many of ``experts`` name each expert (``bincount`` with a shape ``torch.compile`` knows)."""
+    return torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
+        0, experts, torch.ones_like(experts))
 
 
 @dataclass
@@ -75,6 +90,11 @@ class Routing:
     """Switch/GShard load-balancing loss, ``E sum_e f_e P_e`` (1 when balanced), unweighted."""
     z_loss: torch.Tensor
     """Router z-loss, ``mean_t logsumexp(logits_t)^2``, unweighted."""
+    before: Optional[torch.Tensor] = None
+    """Sequence parallelism: ``[E]`` token-slots of each expert on the TP ranks holding earlier sequence slices
+    (a capacity keeps the first slots in the whole sequence's token order); None otherwise."""
+    tokens: int = 0
+    """Tokens of the whole forward (the sequence's, under sequence parallelism): what a capacity is taken of."""
 
 
 class Router(nn.Module):
@@ -86,15 +106,17 @@ class Router(nn.Module):
     of the scores normalised per token (they do not sum to 1 otherwise), as Megatron-Core does.
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, sp: Optional[Group] = None):
         super().__init__()
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.score, self.norm_topk, self.routed_scale = moe.score, moe.norm_topk, moe.routed_scale
-        self.weight = new_param((moe.num_experts, cfg.d_model), None, 1, std=cfg.init_std)
+        self.sp = sp
+        self.weight = new_param((moe.num_experts, cfg.d_model), None, 1, std=cfg.init_std,
+                                sequence_parallel=sp is not None)
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
 
     def forward(self, x: torch.Tensor) -> Routing:
-        """Route the tokens ``x [T, d]``."""
+        """Route the tokens ``x [T, d]`` (this TP rank's sequence slice under sequence parallelism)."""
         E, k = self.num_experts, self.top_k
         wide = torch.promote_types(x.dtype, torch.float32)  # fp32 (float64 for a float64 model)
         with torch.autocast(x.device.type, enabled=False):
@@ -107,12 +129,18 @@ class Router(nn.Module):
                 gates = gates / (gates.sum(-1, keepdim=True) + 1e-20)
             if self.routed_scale != 1.0:
                 gates = gates * self.routed_scale
-            counts = torch.bincount(experts.flatten(), minlength=E)
+            counts = _count(experts.flatten(), E)
+            total, before, tokens = counts, None, x.shape[0]
+            if self.sp is not None:  # the whole sequence's counts, and those of the slices before this one
+                total, before = _sequence_counts(counts, self.sp)
+                tokens *= self.sp.size
             probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-            fraction = counts.to(wide) / max(experts.numel(), 1)  # f_e: share of the token-slots (no gradient)
-            aux = E * (fraction * probs.mean(0)).sum()
-            z = torch.logsumexp(logits, -1).square().mean()
-        return Routing(experts, gates, scores, logits, counts, aux, z)
+            fraction = total.to(wide) / max(tokens * k, 1)  # f_e: share of the token-slots (no gradient)
+            # P_e and the z-loss as sums over this slice's tokens / the sequence's: the slices' terms add up to
+            # the whole sequence's losses, and each slice's gradient is theirs restricted to its tokens
+            aux = E * (fraction * probs.sum(0) / max(tokens, 1)).sum()
+            z = torch.logsumexp(logits, -1).square().sum() / max(tokens, 1)
+        return Routing(experts, gates, scores, logits, counts, aux, z, before, tokens)
 
 
 class Experts(nn.Module):
@@ -121,13 +149,16 @@ class Experts(nn.Module):
 
     ``grouped``: None picks by ``grouped_gemm_runs``; True or False forces a path (tests compare the two)."""
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: Optional[Group] = None):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: Optional[Group] = None, sp: bool = False):
+        """``ep``: the expert-parallel group (this rank holds its share of the experts); ``sp``: the tokens are a
+        TP rank's sequence slice, so the gradients are partial sums over TP (``ParamSpec.sequence_parallel``)."""
         super().__init__()
         self.num_experts, self.d_model = moe.num_experts, cfg.d_model
         self.ffn = moe.ffn_hidden if moe.ffn_hidden is not None else cfg.ffn_size
         self.swiglu = cfg.activation == "swiglu"
         self.ep = ep if ep is not None and ep.size > 1 else None
         split = {"ep_size": ep.size} if self.ep is not None else {}  # this EP rank's experts (dim 0)
+        split["sequence_parallel"] = sp
         lead = (2,) if self.swiglu else ()
         E, d, f = moe.num_experts, cfg.d_model, self.ffn
         self.w_up = new_param((E,) + lead + (f, d), None, 1, std=cfg.init_std, **split)
@@ -159,23 +190,25 @@ class Experts(nn.Module):
                 for e, rows in enumerate(xs.split(counts.tolist())) if rows.shape[0]]
         return torch.cat(outs) if outs else xs.new_zeros((0, self.d_model))
 
-    def forward(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor,
-                capacity: Optional[int] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+    def forward(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, capacity: Optional[int] = None,
+                before: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """``x [T, d]``, each token's ``experts`` and ``gates`` ``[T, k]`` -> ``(y, kept)``: ``y [T, d]`` fp32 (or
         wider), each token's sum over its kept slots of gate x FFN_e(x); ``kept [T, k]`` bool. ``capacity``: each
-        expert keeps its first this many slots in token order and drops the rest (None: dropless). In autocast's
-        dtype when it is on, else in x's."""
+        expert keeps its first this many slots in token order and drops the rest (None: dropless); ``before [E]``:
+        slots of each expert earlier in token order on other ranks (sequence parallelism), which count against
+        the capacity first. In autocast's dtype when it is on, else in x's."""
         T, k = experts.shape
         flat = experts.flatten()  # slot t * k + j
         order = torch.argsort(flat, stable=True)  # slots grouped by expert, in token order within each
-        counts = torch.bincount(flat, minlength=self.num_experts)
+        counts = _count(flat, self.num_experts)
         kept = torch.ones_like(flat, dtype=torch.bool)
         if capacity is not None:
             first = torch.cumsum(counts, 0) - counts  # each expert's first position in ``order``
             within = torch.arange(flat.numel(), device=flat.device) - first[flat[order]]
-            keep = within < capacity
+            room = torch.full_like(counts, capacity) if before is None else (capacity - before).clamp(min=0)
+            keep = within < room[flat[order]]
             kept[order] = keep
-            order, counts = order[keep], counts.clamp(max=capacity)
+            order, counts = order[keep], torch.minimum(counts, room)
         token = order // k
         dtype = torch.get_autocast_dtype(x.device.type) if torch.is_autocast_enabled(x.device.type) else x.dtype
         wide = torch.promote_types(dtype, torch.float32)
@@ -227,14 +260,14 @@ class MoE(nn.Module):
 
     def __init__(self, cfg: ModelConfig, ctx: TPContext, moe: MoeConfig):
         super().__init__()
-        if ctx.tp.size > 1:
-            raise ValueError("model/moe.py runs on one TP rank for now: tensor and expert parallelism of the experts "
-                             "are not built yet")
+        # under sequence parallelism each TP rank routes its own slice of the sequence (experts whole on every TP
+        # rank, their gradients partial sums over TP); with TP alone every TP rank routes the same tokens
+        sp = ctx.tp if ctx.sequence_parallel and ctx.tp.size > 1 else None
         self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.bias_update_rate = moe.bias_update_rate
-        self.router = Router(cfg, moe)
-        self.experts = Experts(cfg, moe, ctx.ep)
+        self.router = Router(cfg, moe, sp)
+        self.experts = Experts(cfg, moe, ctx.ep, sp=sp is not None)
         self.shared: Optional[MLP] = None
         self.shared_gate: Optional[nn.Parameter] = None
         if moe.shared_experts > 0:
@@ -243,7 +276,8 @@ class MoE(nn.Module):
                 width = self.experts.ffn * moe.shared_experts
             self.shared = MLP(dataclasses.replace(cfg, ffn_hidden=width, bias=False), ctx)
             if moe.shared_gate:
-                self.shared_gate = new_param((1, cfg.d_model), None, 1, std=cfg.init_std)
+                self.shared_gate = new_param((1, cfg.d_model), None, 1, std=cfg.init_std,
+                                             sequence_parallel=sp is not None)
         self.register_buffer("load", torch.zeros(moe.num_experts, dtype=torch.int64), persistent=False)
         self.register_buffer("dropped_slots", torch.zeros((), dtype=torch.int64), persistent=False)
         self.register_buffer("aux_sum", torch.zeros((), dtype=torch.float64), persistent=False)
@@ -267,7 +301,7 @@ class MoE(nn.Module):
         s, b, h = x.shape
         flat = x.reshape(s * b, h)
         routing = self.router(flat)
-        y, kept = self.experts(flat, routing.experts, routing.gates, self.capacity(s * b))
+        y, kept = self.experts(flat, routing.experts, routing.gates, self.capacity(routing.tokens), routing.before)
         if self.shared is not None:
             shared = self.shared(x).reshape(s * b, h).to(y.dtype)
             if self.shared_gate is not None:

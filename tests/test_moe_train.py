@@ -87,6 +87,9 @@ LAYOUTS = {
     "ep2_dp4": (4, ["parallel.ep=2"]),
     "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
     "ep2_full_recompute": (2, ["parallel.ep=2", "model.activation_checkpointing=full"]),
+    "tp2": (2, ["parallel.tp=2"]),
+    "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
+    "tp2_sp_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
 }
 
 
@@ -128,14 +131,34 @@ def test_bias_moves_against_the_load_and_is_reported():
     assert bias.sum().abs().item() < 0.05  # overloaded experts go down, idle ones up
 
 
-def test_capacity_drops_the_same_slots_under_expert_parallelism():
-    capacity = ["model.moe.capacity_factor=0.5"]
-    one = run_world(moe_worker, 1, capacity, 2)[0]
-    split = run_world(moe_worker, 2, capacity + ["parallel.ep=2"], 2)[-1]
+@pytest.fixture(scope="module")
+def capacity_reference() -> Dict[str, Any]:
+    return run_world(moe_worker, 1, ["model.moe.capacity_factor=0.5"], 2)[0]
+
+
+@pytest.mark.parametrize("world,layout", [(2, ["parallel.ep=2"]),
+                                          (2, ["parallel.tp=2", "parallel.sequence_parallel=true"])])
+def test_capacity_drops_the_same_slots(capacity_reference, world, layout):
+    """Expert parallelism and sequence parallelism (each TP rank routes a slice; the capacity is the sequence's,
+    first come in its token order) drop exactly the one-process run's slots."""
+    one = capacity_reference
+    results = run_world(moe_worker, world, ["model.moe.capacity_factor=0.5"] + layout, 2)
+    split = results[-1]
     dropped = [r["layers"]["0"]["dropped_frac"] for r in one["records"]]
     assert dropped[0] > 0.1, "capacity 0.5 should drop slots"
     assert [r["layers"]["0"]["dropped_frac"] for r in split["records"]] == pytest.approx(dropped)
     assert split["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert_grads_match([r["grads"] for r in results], one["grads"])
+
+
+def test_shared_experts_with_their_gate_split_over_tp_and_sp():
+    """Qwen2-MoE's gated shared expert: a TP-split MLP under tp2 + SP, its gate and the router partial over TP."""
+    shared = ["model.moe.shared_experts=1", "model.moe.shared_gate=true", "model.moe.first_dense=1"]
+    one = run_world(moe_worker, 1, shared, 3)[0]
+    split = run_world(moe_worker, 4, shared + ["parallel.tp=2", "parallel.sequence_parallel=true",
+                                               "parallel.ep=2"], 3)
+    assert split[-1]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert_grads_match([r["grads"] for r in split], one["grads"])
 
 
 def test_checkpoint_at_ep4_resumes_at_ep2_and_ep1_on_the_same_curve(tmp_path):

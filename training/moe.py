@@ -8,8 +8,10 @@ every rank learns every layer's global figures whichever pipeline stage holds it
 each layer moves by the global load (``MoE.update_bias``: identical on every rank that holds the layer, so the
 replicas never drift) and the step's metrics record is built.
 
-Only ranks with TP rank 0 add the sums (TP ranks route the same tokens); only DP rank 0 of them adds the bias
-range (every DP rank holds the same bias).
+Only ranks with TP rank 0 add the sums (TP ranks route the same tokens), except under sequence parallelism, where
+each TP rank routes its own slice of the sequence and adds its own (the auxiliary and z losses are then the
+slices' parts of the sequence's, ``model/moe.py Router``); only DP rank 0 of them adds the bias range (every DP
+rank holds the same bias).
 """
 from __future__ import annotations
 
@@ -41,8 +43,10 @@ class MoeTracker:
                 if isinstance(module, MoE):
                     self.modules[int(name.split(".")[1])] = module  # layers.<i>.mlp
                     self.buffers[f"{name}.router.expert_bias"] = module.router.expert_bias
-        self.adds_sums = mesh.tp_rank == 0
-        self.adds_bias = self.adds_sums and mesh.dp_rank == 0
+        # under sequence parallelism each TP rank routes its own slice: all add their sums, one counts the forward
+        self.adds_sums = mesh.tp_rank == 0 or mesh.sequence_parallel
+        self.adds_forwards = mesh.tp_rank == 0
+        self.adds_bias = mesh.tp_rank == 0 and mesh.dp_rank == 0
         self.device = mesh.device
         self.width = self.num_experts + len(_SUMS)
 
@@ -63,8 +67,9 @@ class MoeTracker:
                 continue
             if self.adds_sums:
                 out[row, :self.num_experts] = m.load.double()
+                forwards = m.forwards.double() if self.adds_forwards else torch.zeros_like(m.aux_sum)
                 out[row, self.num_experts:self.num_experts + 4] = torch.stack(
-                    [m.dropped_slots.double(), m.aux_sum, m.z_sum, m.forwards.double()])
+                    [m.dropped_slots.double(), m.aux_sum, m.z_sum, forwards])
             if self.adds_bias:
                 bias = m.router.expert_bias.double()
                 out[row, -2:] = torch.stack([bias.min(), bias.max()])
