@@ -101,9 +101,13 @@ def validate_moe(cfg, need: Callable[[bool, str], None]) -> None:
         need(math.isfinite(value) and value >= 0, f"model.moe.{key}={value} must be a number >= 0 (0 = off)")
     need(not m.bias, "model.bias=true with model.moe.num_experts > 0: the router and the experts have no biases")
     ep = cfg.parallel.ep
-    need(ep == 1 or cfg.zero.stage == 0,
-         f"parallel.ep={ep} with zero.stage={cfg.zero.stage} is not built yet: expert parallelism runs with "
-         f"zero.stage=0 (ZeRO shards the routed experts over the whole data-parallel group)")
+    z = cfg.zero
+    zeropp = [k for k, on in (("zero.quantized_weights", z.quantized_weights), ("zero.quantized_gradients",
+                                                                             z.quantized_gradients),
+                              ("zero.hpz_size", z.hpz_size > 1)) if on]
+    need(ep == 1 or not zeropp,
+         f"parallel.ep={ep} with ZeRO++ ({', '.join(zeropp)}) is not built: its node-local groups and quantized "
+         f"collectives span the whole data-parallel group, the routed experts shard over dp / ep ranks")
     need(ep == 1 or cfg.precision != "fp8",
          f"parallel.ep={ep} with precision=fp8 is not built yet: FP8-LM's data-parallel strategy has no "
          f"expert-data-parallel groups (use parallel.ep=1, every rank holding every expert)")

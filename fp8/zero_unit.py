@@ -56,6 +56,7 @@ class Fp8Unit:
         self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
         dp, device = mesh.dp, mesh.device
+        self.group = dp  # (the ranks it is sharded over, as ZeRO's Unit.group: FP8-LM has no expert groups yet)
         numels = [p.numel() for p in self.params]
         # stage 0 reduces over a flat layout (the shared scale makes any split valid); stages 1-3 own whole
         # tensors, spread over the ranks across units (OwnerBalance)

@@ -87,6 +87,11 @@ LAYOUTS = {
     "ep2_dp4": (4, ["parallel.ep=2"]),
     "ep2_pp2": (4, ["parallel.ep=2", "parallel.pp=2"]),
     "ep2_full_recompute": (2, ["parallel.ep=2", "model.activation_checkpointing=full"]),
+    "zero1_ep2": (2, ["zero.stage=1", "parallel.ep=2"]),
+    "zero2_ep2_pp2": (4, ["zero.stage=2", "parallel.ep=2", "parallel.pp=2"]),
+    "zero3_ep2_dp4": (4, ["zero.stage=3", "parallel.ep=2"]),
+    "zero3_ep4": (4, ["zero.stage=3", "parallel.ep=4"]),
+    "zero3_tp2_sp_ep2": (4, ["zero.stage=3", "parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
     "tp2": (2, ["parallel.tp=2"]),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "tp2_sp_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
@@ -117,6 +122,16 @@ def _bias_worker():
     stats = engine.train_step(batch_fn(engine, 0))
     return stats["moe"], m.router.expert_bias.clone()
 
+
+
+@pytest.mark.parametrize("optimizer", ["muon", "adafactor"])
+def test_other_optimizers_with_expert_parallelism(reference, optimizer):
+    """Muon (each expert's matrices on their own) and Adafactor on an EP rank's experts, ZeRO-1 whole tensors."""
+    chosen = [f"train.optimizer={optimizer}", "train.lr=1e-2"]
+    one = run_world(moe_worker, 1, chosen, 3)[0]
+    split = run_world(moe_worker, 2, chosen + ["zero.stage=1", "zero.partition=whole_tensor", "parallel.ep=2"], 3)
+    assert split[-1]["losses"] == pytest.approx(one["losses"], rel=1e-5)
+    assert one["losses"][2] != pytest.approx(reference["losses"][2], rel=1e-4)  # not AdamW's curve
 
 
 def test_bias_moves_against_the_load_and_is_reported():
@@ -162,12 +177,12 @@ def test_shared_experts_with_their_gate_split_over_tp_and_sp():
 
 
 def test_checkpoint_at_ep4_resumes_at_ep2_and_ep1_on_the_same_curve(tmp_path):
+    """Written at ep 4 (ZeRO-3 over the expert-data-parallel groups), resumed at ep 2 (ZeRO-1) and at one process."""
     full = run_world(checkpoint_worker, 1, MOE, "none", 6, str(tmp_path / "straight"))[0]
-    run_world(checkpoint_worker, 4, MOE + ["parallel.ep=4"], "fresh", 3, str(tmp_path / "ckpt"))
-    for world, ep in ((2, 2), (1, 1)):
-        resumed = run_world(checkpoint_worker, world, MOE + [f"parallel.ep={ep}"], "resume", 6,
-                            str(tmp_path / "ckpt"))[-1]
-        assert [resumed[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], rel=1e-5), ep
+    run_world(checkpoint_worker, 4, MOE + ["parallel.ep=4", "zero.stage=3"], "fresh", 3, str(tmp_path / "ckpt"))
+    for world, layout in ((2, ["parallel.ep=2", "zero.stage=1"]), (1, [])):
+        resumed = run_world(checkpoint_worker, world, MOE + layout, "resume", 6, str(tmp_path / "ckpt"))[-1]
+        assert [resumed[s] for s in (3, 4, 5)] == pytest.approx([full[s] for s in (3, 4, 5)], rel=1e-5), layout
 
 
 def _bias_checkpoint_worker(ckpt_dir: str):
@@ -206,6 +221,8 @@ def test_expert_bias_is_saved_and_a_dense_checkpoint_is_refused(tmp_path):
     (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor=0"),
     (["model.moe.num_experts=4", "model.moe.capacity_factor=-1.5"], "model.moe.capacity_factor=-1.5"),
     (["parallel.ep=2"], "parallel.ep=2 needs routed experts"),
+    (["model.moe.num_experts=4", "parallel.ep=2", "zero.stage=3", "zero.hpz_size=2"],
+     "parallel.ep=2 with ZeRO++ (zero.hpz_size) is not built"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(overrides, fragment, capsys):
     import train

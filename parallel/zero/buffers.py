@@ -51,7 +51,10 @@ class Unit:
                  quantized_gather: bool = False, weight_delta: bool = False, adam: bool = True):
         self.name, self.params, self.stage, self.working, self.tied = spec.name, spec.params, stage, working, tied
         self.names = [names[p] for p in self.params]
-        dp = mesh.dp
+        # the ranks this unit is sharded over: DP, or for routed experts split over EP their expert-data-parallel
+        # group (the DP ranks holding the same experts); gradients are divided by the whole DP size either way
+        self.expert = any(p.spec.expert for p in self.params)
+        self.group = dp = mesh.edp if self.expert else mesh.dp
         self.layout: ShardLayout = shard_layout([p.numel() for p in self.params], dp.size, kind)
         n, s, r = dp.size, self.layout.shard_size, dp.rank
         self.own = slice(r * s, (r + 1) * s)

@@ -79,7 +79,7 @@ class Stage3Gathers:
         elif self.qwz is not None and self.mesh.dp.size > 1:
             unit.gather_work = QuantizedGather(unit.full, unit.shard, self.mesh.dp, self.qwz, self.gather_route)
         else:
-            unit.gather_work = comm.all_gather(unit.full, unit.shard, self.mesh.dp, async_op=True)
+            unit.gather_work = comm.all_gather(unit.full, unit.shard, unit.group, async_op=True)
 
     def _gather(self, unit: Unit) -> None:
         if unit.ledger_held is not None:  # started by the optimizer step: counted now, by the step using it

@@ -120,7 +120,7 @@ class ZeroDataParallel(Stage3Gathers, EarlyStep, ZeroState):
         of one DP rank own the same tensors (their pieces have the same sizes), so the TP collectives of a rule
         that needs whole matrices run in the same order on each."""
         entries = []
-        for i, a, b, at in u.layout.owned(self.mesh.dp.rank):
+        for i, a, b, at in u.layout.owned(u.group.rank):
             p = u.params[i]
             if (a, b) != (0, p.numel()):
                 raise RuntimeError(f"{u.names[i]}: train.optimizer={self.cfg.train.optimizer} needs whole tensors "
@@ -201,8 +201,8 @@ class ZeroDataParallel(Stage3Gathers, EarlyStep, ZeroState):
                 comm.reduce_scatter(exact, buf / self.mesh.dp.size, replace(self.mesh.dp, name="quant_error"))
                 work = ComparedReduce(work, out, exact, self._qerr[2:])
         else:
-            buf.div_(self.mesh.dp.size)
-            work = comm.reduce_scatter(out, buf, self.mesh.dp, async_op=True)
+            buf.div_(self.mesh.dp.size)  # the DP mean (an expert unit's group is a part of DP)
+            work = comm.reduce_scatter(out, buf, unit.group, async_op=True)
         self._launched.append((unit, work, out, buf))
 
     def _quantized_reduce(self, buf: torch.Tensor) -> bool:
@@ -289,7 +289,7 @@ class ZeroDataParallel(Stage3Gathers, EarlyStep, ZeroState):
             if u.shard is not u.master:
                 u.shard.copy_(u.master)
             if self.stage < 3:  # everyone's updated shard -> everyone's full parameters
-                comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
+                comm.all_gather(u.full, u.shard.clone(), u.group)
             early = self._early.get(id(u))
             if early is not None:  # the secondary shards hold (or are receiving) these weights already
                 u.secondary_valid, u.secondary_unmeasured = True, self.qwz is not None

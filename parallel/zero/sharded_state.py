@@ -29,11 +29,11 @@ class ZeroState:
             buffers += ("weight_reference",)
         for u in self.units:
             pieces: Dict[int, list] = {i: [] for i in range(len(u.params))}
-            for i, a, b, at in u.layout.owned(self.mesh.dp.rank):
+            for i, a, b, at in u.layout.owned(u.group.rank):
                 pieces[i].append((a, b, at))
             for i, (name, p) in enumerate(zip(u.names, u.params)):
                 spec, local = p.spec, tuple(p.shape)
-                offset = spec.tp_offset(local, self.mesh.tp_rank)
+                offset = spec.local_offset(local, self.mesh.tp_rank, self.mesh.ep_rank)
                 sources = {"model": u.master, "exp_avg": u.exp_avg, "exp_avg_sq": u.exp_avg_sq,
                            "weight_reference": u.reference if self.stage == 3 else u.shard}
                 out[name] = {key: shard_view(spec.global_shape, local, offset,
@@ -43,7 +43,8 @@ class ZeroState:
             if with_optimizer and getattr(u, "rules", None) is not None:  # another optimizer's states: their owner's
                 for j, (i, _) in enumerate(u.rule_at):
                     p = u.params[i]
-                    views = u.rules.state_views(j, p.spec.tp_offset(tuple(p.shape), self.mesh.tp_rank))
+                    views = u.rules.state_views(j, p.spec.local_offset(tuple(p.shape), self.mesh.tp_rank,
+                                                                       self.mesh.ep_rank))
                     out[u.names[i]].update({k: shard_view(g, loc, off, [(0, t.numel(), t.view(-1))], t)
                                             for k, (g, loc, off, t) in views.items()})
         return out
@@ -103,7 +104,7 @@ class ZeroState:
             return
         for u in self.units:
             if self.stage < 3:
-                comm.all_gather(u.full, u.shard.clone(), self.mesh.dp)
+                comm.all_gather(u.full, u.shard.clone(), u.group)
             u.secondary_valid = u.secondary_unmeasured = False
             if u.reference is not None:
                 u.reference_valid = reference_loaded
@@ -124,7 +125,7 @@ class ZeroState:
         out = {}
         for u in self.units:
             full = torch.empty(u.layout.padded_size, dtype=u.grad_shard.dtype, device=u.grad_shard.device)
-            comm.all_gather(full, u.grad_shard.clone(), self.mesh.dp)
+            comm.all_gather(full, u.grad_shard.clone(), u.group)
             for name, p, off in zip(u.names, u.params, u.layout.offsets):
                 out[name] = full[off:off + p.numel()].view(p.shape).float()
         return out

@@ -4,7 +4,9 @@ One unit per module that runs as a whole: the token embedding, each transformer
 block, the final norm and the output projection, in forward order. Every
 parameter belongs to exactly one unit (nothing stays replicated by a size rule);
 a parameter used by two modules (the output projection tied to the embedding on
-one stage) belongs to the first, and the second module *uses* that unit too.
+one stage) belongs to the first, and the second module *uses* that unit too. Under
+expert parallelism an MoE block's routed experts are a second unit of the block
+(``layers.<i>.experts``), sharded over the expert-data-parallel group.
 
 The tied output weight on the last pipeline stage is a copy of the embedding: it
 is a unit of its own, as the embedding is, so both have the same shard layout and
@@ -58,10 +60,15 @@ def chunk_units(chunk: nn.Module) -> tuple:
     for name, module in modules:
         use = ModuleUse(module, backward_reads_weights=getattr(module, "backward_reads_weights", True))
         fresh = [p for p in module.parameters() if p.requires_grad and p not in owner]
-        if fresh:
-            for p in fresh:
-                owner[p] = len(units)
-            units.append(UnitSpec(name, fresh))
+        # routed experts split over expert parallelism shard over their own group: a unit of their own
+        split = [getattr(p, "spec", None) is not None and p.spec.expert for p in fresh]
+        dense = [p for p, e in zip(fresh, split) if not e]
+        experts = [p for p, e in zip(fresh, split) if e]
+        for part, label in ((dense, name), (experts, f"{name}.experts")):
+            if part:
+                for p in part:
+                    owner[p] = len(units)
+                units.append(UnitSpec(label, part))
         for p in module.parameters():
             if p.requires_grad and owner[p] not in use.units:
                 use.units.append(owner[p])
