@@ -45,6 +45,12 @@ from parallel.expert_parallel import run_experts
 from parallel.tensor_parallel import new_param, scaled_init_std
 
 
+@torch.compiler.assume_constant_result
+def _upcasts(dtype: torch.dtype) -> bool:
+    """``cpu_gemm.upcasts`` (it reads /proc/cpuinfo once), a constant to ``torch.compile`` instead of a graph break."""
+    return upcasts(dtype)
+
+
 def grouped_gemm_runs(dtype: torch.dtype, device: torch.device, *widths: int) -> bool:
     """Whether ``torch._grouped_mm`` computes the experts' projections for activations of ``dtype`` on
     ``device`` whose rows (and the weights' rows) are ``widths`` elements long (see the module's docstring)."""
@@ -55,7 +61,7 @@ def grouped_gemm_runs(dtype: torch.dtype, device: torch.device, *widths: int) ->
     if device.type != "cpu" or (torch.compiler.is_compiling() and dtype != torch.bfloat16):
         return False
     # a 16-bit CPU GEMM without 16-bit matrix instructions is faster on fp32 upcasts: the loop's cpu_gemm.linear
-    return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and not upcasts(dtype))
+    return dtype == torch.float32 or (dtype in (torch.bfloat16, torch.float16) and not _upcasts(dtype))
 
 
 @torch.compiler.disable

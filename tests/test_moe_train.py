@@ -241,3 +241,27 @@ def test_experts_not_divisible_by_ep_is_refused_by_the_layout():
     with pytest.raises(ConfigError, match=r"model.moe.num_experts=3 is not divisible by parallel.ep=2"):
         make_layout(cfg, 4, 4)
     assert make_layout(tiny_config("model.moe.num_experts=4", "parallel.ep=2"), 4, 4).ep == 2
+
+
+def _compile_worker(compiled: bool) -> Dict[str, Any]:
+    """bf16 with the experts' grouped GEMMs forced (the CUDA path; on this CPU torch._grouped_mm runs bf16 too)."""
+    from torch._dynamo.utils import counters
+
+    engine = build_engine(tiny_config(*MOE, "precision=bf16", "parallel.ep=2", f"train.compile={compiled}",
+                                      "model.n_layers=1"))
+    for m in engine.moe.modules.values():
+        m.experts.grouped = True
+    counters.clear()
+    losses = [engine.train_step(batch_fn(engine, step))["loss"] for step in range(2)]  # the second: compiled backward
+    return {"losses": losses, "breaks": [str(k) for k in counters["graph_break"]]}
+
+
+def test_compiled_blocks_break_only_at_the_token_exchange():
+    """train.compile with expert parallelism: the all-to-alls split each MoE block into compiled regions (the
+    disabled ``run_experts``); nothing else breaks the graph (routing, sorting, grouped GEMMs, the balancing
+    losses, the bookkeeping), and the curve is eager's."""
+    # aot_eager: the graphs dynamo traces, run by torch's kernels (inductor's C++ build would take minutes here)
+    compiled = run_world(_compile_worker, 2, True, timeout=600, env={"GPT_COMPILE_BACKEND": "aot_eager"})[0]
+    eager = run_world(_compile_worker, 2, False)[0]
+    assert compiled["breaks"] and all("run_experts" in b for b in compiled["breaks"]), compiled["breaks"]
+    assert compiled["losses"] == pytest.approx(eager["losses"], rel=2e-3)
