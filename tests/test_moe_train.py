@@ -290,6 +290,9 @@ def test_kill_9_mid_step_at_ep2_resumes_exactly(tmp_path):
 
     run(2, ep2, tmp_path / "straight")
     ref, _ = losses_by_step(tmp_path / "straight")
+    logged = [r["moe"] for r in records(tmp_path / "straight") if "loss" in r]  # metrics.jsonl's MoE record
+    assert len(logged) == 9 and all(set(m["layers"]) == {"0", "1"} for m in logged)
+    assert all(m["load_max_over_mean"] >= 1.0 for m in logged) and logged[-1]["layers"]["1"]["bias_max"] > 0
     run_dir, outcome = tmp_path / "run", {}
 
     def interrupted():
@@ -322,3 +325,29 @@ def test_kill_9_mid_step_at_ep2_resumes_exactly(tmp_path):
     cont, _ = losses_by_step(one)
     for step in (7, 8, 9):
         assert cont[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def test_the_moe_record_reaches_wandb_and_the_console(tmp_path):
+    from training.metrics import MetricsLogger, format_line
+
+    class FakeWandb:
+        def __init__(self):
+            self.logged = []
+
+        def log(self, flat, step):
+            self.logged.append((step, flat))
+
+    logger = MetricsLogger(tiny_config(*MOE), tmp_path, enabled=True)
+    logger.wandb = FakeWandb()
+    record = {"step": 3, "loss": 4.0, "lr": 1e-3, "grad_norm": 1.0, "tokens_per_s": 10.0, "tflops_per_device": 0.0,
+              "mfu": None, "peak_mem_bytes": 2**20,
+              "moe": {"load_max_over_mean": 1.25, "dropped_frac": 0.0,
+                      "layers": {"0": {"load_max_over_mean": 1.25, "dropped_frac": 0.0, "aux_loss": 1.01,
+                                       "z_loss": 0.5, "bias_min": -0.01, "bias_max": 0.01}}}}
+    logger.log(record)
+    logger.wandb, wandb = None, logger.wandb
+    logger.close()
+    [(step, flat)] = wandb.logged
+    assert step == 3 and flat["moe/load_max_over_mean"] == 1.25 and flat["moe/layer0/aux_loss"] == 1.01
+    assert "moe" not in flat and flat["moe/layer0/bias_min"] == -0.01
+    assert "moe load max/mean 1.25" in format_line(record)

@@ -4,7 +4,9 @@ Only rank 0 writes. Each training record carries at least the contract keys:
 step, loss, lr, grad_norm, tokens_per_s, tflops_per_device, mfu, peak_mem_bytes and
 the step's communication ledger as ``comm``; validation records carry val_loss;
 with ``zero.quant_error_interval`` set, sampled steps add a record with ``quant_error``
-(``weights`` / ``gradients``: relative L2 error of ZeRO++'s quantized communication).
+(``weights`` / ``gradients``: relative L2 error of ZeRO++'s quantized communication). A model with routed
+experts adds ``moe`` to the training records (``training/moe.py``: the step's expert load max / mean, dropped
+fraction, auxiliary and z losses and expert-bias range, per MoE layer), ``moe/...`` scalars in wandb.
 """
 from __future__ import annotations
 
@@ -75,12 +77,13 @@ class MetricsLogger:
         print(format_line(record), flush=True)
         if self.wandb is not None:
             flat = {k: v for k, v in record.items()
-                    if k not in ("step", "comm", "quant_error", "fp8") and v is not None}
+                    if k not in ("step", "comm", "quant_error", "fp8", "moe") and v is not None}
             for k, v in record.get("fp8", {}).items():
                 flat[f"fp8/{k}"] = v
             for what, err in record.get("quant_error", {}).items():
                 if err is not None:
                     flat[f"quant_error/{what}"] = err
+            flat.update(moe_scalars(record.get("moe")))
             for kind, n in record.get("comm", {}).get("by_kind", {}).items():
                 flat[f"comm/{kind}_bytes"] = n
             for link, n in record.get("comm", {}).get("by_link", {}).items():
@@ -93,6 +96,17 @@ class MetricsLogger:
         self.file.close()
         if self.wandb is not None:
             self.wandb.finish()
+
+
+def moe_scalars(moe: Optional[Dict[str, Any]]) -> Dict[str, float]:
+    """The MoE record (``training/moe.py``) as wandb scalars: ``moe/<key>`` for the whole model and
+    ``moe/layer<i>/<key>`` per MoE layer (None values left out)."""
+    if not moe:
+        return {}
+    out = {f"moe/{k}": v for k, v in moe.items() if k != "layers" and v is not None}
+    for layer, row in moe.get("layers", {}).items():
+        out.update({f"moe/layer{layer}/{k}": v for k, v in row.items() if v is not None})
+    return out
 
 
 def _drop_records_after(path: Path, step: int) -> None:
@@ -141,6 +155,9 @@ def format_line(r: Dict[str, Any]) -> str:
         parts.append(f"skipped {r['skipped_steps']}")
     if r.get("loss_scale", 1.0) != 1.0:
         parts.append(f"scale {r['loss_scale']:.0f}")
+    if r.get("moe") and r["moe"].get("load_max_over_mean") is not None:
+        parts.append(f"moe load max/mean {r['moe']['load_max_over_mean']:.2f}"
+                     + (f", dropped {100 * r['moe']['dropped_frac']:.1f}%" if r["moe"].get("dropped_frac") else ""))
     if r.get("fp8"):
         f = r["fp8"]
         parts.append(f"fp8 mu {f['mu']:g} (overflow {100 * f['overflow_fraction']:.4f}%, {f['mu_changes']} changes)")
