@@ -11,12 +11,13 @@ amax and gradient reductions; the TP linears call the FP8 GEMM):
   adam.py        AdamW with an FP8 first moment and FP16 second moment
   device.py      the capability check (compute capability, never the device name)
 
-They import config/ and parallel/comm.py only. One strategy (three files) sits above model/, with the other data-parallel
+They import config/ and parallel/comm.py only. One strategy (four files) sits above model/, with the other data-parallel
 strategies:
 
   zero.py        FP8-LM data parallelism for ZeRO 0-3: whole-tensor ownership, FP8 reduction, FP8 AdamW
   zero_unit.py   one unit's FP8-LM state on a rank, its owners, and the whole-unit (packed) updates
   zero_checkpoint.py  its checkpoints: masters and moments as fp32 under the global names, mu's state
+  zero_weights.py  its weights: E4M3 copies after the step, 16-bit working weights, stage 0's casts from the masters
 
 It may import everything below training/. Nothing here imports training/.
 """

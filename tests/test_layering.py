@@ -32,8 +32,8 @@ LAYERS: List[Tuple[str, List[str]]] = [
       "parallel.expert_parallel", "optimizers"]),
     ("model: the GPT from parallel-aware layers, its FLOPs, Hugging Face mapping", ["model"]),
     ("data-parallel strategies and accounting: stage 0, ZeRO 1-3 and ZeRO++, FP8-LM's ZeRO, analytic bytes",
-     ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint", "parallel.volume",
-      "optimizers.tensor_rules"]),
+     ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint",
+      "fp8.zero_weights", "parallel.volume", "optimizers.tensor_rules"]),
     ("training: engine, loop, checkpoints, metrics, memory estimate", ["training"]),
     ("entry points: train.py and scripts/", ["train", "scripts"]),
 ]
