@@ -54,12 +54,16 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
     """Bytes this rank sends in one training step, by group name.
 
     ``stop_flags``: values the caller adds to the step's scalar all-reduce (the trainer: ``STOP_FLAGS``; a bare
-    ``Engine.train_step``: none).
+    ``Engine.train_step``: none). Dense models only: a model with routed experts is refused (``ValueError``),
+    its token exchanges depend on the routing (the ledger counts them).
     ``secondary_valid``: ZeRO-3 with hpZ, a validation pass ran since the last optimizer step and built the
     secondary copies, so this step gathers only from them (``zero_step_bytes``). ``first_step``: the first step
     of a run (or after a resume without qWD's reconstructed weights), where ZeRO-3's qWD gathers exactly.
     ``early``: the previous optimizer step kept its early gathers (``zero.early_step``,
     ``ZeroDataParallel.last_early``), which this step's forward uses (``zero_step_bytes``)."""
+    if cfg.model.moe.num_experts:
+        raise ValueError("parallel/volume.py predicts the bytes of dense models: with model.moe.num_experts > 0 the "
+                         "expert exchanges and their gradient groups depend on the routing (the ledger counts them)")
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[cfg.precision]
     s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model

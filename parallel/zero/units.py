@@ -83,7 +83,9 @@ def meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]
     kv_group = Group("tp_kv", None, list(range(replicas)), 0, "intra", Ledger()) if replicas > 1 else None
     # FP8 linears where the run casts operands to FP8 (an unresolved fp8.gemm=auto counts as FP8 GEMMs)
     fp8 = cfg.fp8 if cfg.precision == "fp8" and fp8_operands(cfg.fp8) else None
-    ctx = TPContext(tp, layout.sequence_parallel, rng=None, fp8=fp8, kv_group=kv_group)  # type: ignore[arg-type]
+    ep = Group("ep", None, list(range(layout.ep)), 0, "intra", Ledger())  # expert parallelism: the experts' share
+    ctx = TPContext(tp, layout.sequence_parallel, rng=None, fp8=fp8, kv_group=kv_group,  # type: ignore[arg-type]
+                    ep=ep)
     last_v = layout.pp * layout.virtual_stages - 1
     with torch.device("meta"):
         return [GPTChunk(cfg.model, ctx, layers, first=v == 0, last=v == last_v,
