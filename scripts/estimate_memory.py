@@ -5,7 +5,9 @@
 The layout comes from the config (parallel.tp/pp/...) and ``--world``; the
 figures are those of ``training/memory.py``, for the first rank of the first and
 of the last pipeline stage. The trainer logs the measured figures at its first
-step (``model_state_bytes`` in metrics.jsonl), to compare with.
+step (``model_state_bytes`` in metrics.jsonl), to compare with. For a mixture of
+experts, a rank holds num_experts / parallel.ep of each MoE layer's routed experts
+(Phi counts those), sharded over the dp / ep ranks holding the same experts.
 """
 from __future__ import annotations
 
@@ -39,16 +41,21 @@ def main(argv=None) -> int:
     cfg = load_config(args.config, args.overrides)  # --config as train.py reads it; ConfigError: one line, exit 2
     validate_config(cfg)
     layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
-    from parallel.zero.units import meta_chunks  # torch and the model: after the input is checked
-    from training.memory import COMPONENTS, activation_bytes, model_state_bytes
+    from model.flops import parameter_count  # torch and the model: after the input is checked
+    from training.memory import COMPONENTS, activation_bytes, held_parameters, model_state_bytes
     whole = cfg.train.optimizer != "adamw"  # its ZeRO stages need whole-tensor shards (config/optimizer.py)
     partition = "whole_tensor at stages 1-3" if whole else cfg.zero.partition
     print(f"{layout.describe()}\nprecision={cfg.precision}, train.optimizer={cfg.train.optimizer}, "
           f"zero.partition={partition}, zero.reduce_dtype={cfg.zero.reduce_dtype}; GiB per rank")
+    moe = cfg.model.moe
+    if moe.num_experts:
+        counts = parameter_count(cfg.model)
+        print(f"mixture of experts: {moe.num_experts} routed experts, top-{moe.top_k}, parallel.ep={layout.ep}; "
+              f"{counts['total'] / 1e9:.2f}B parameters, {counts['active'] / 1e9:.2f}B active per token")
     last = layout.rank_of(layout.pp - 1, 0, 0)
     for rank in sorted({0, last}):
         pp_rank = layout.coords(rank)[0]
-        phi = sum(p.numel() for c in meta_chunks(cfg, layout, pp_rank) for p in c.parameters())
+        phi = held_parameters(cfg, layout, rank)
         print(f"\nrank {rank} (pipeline stage {pp_rank}): {phi / 1e6:.1f}M parameters held (Phi)")
         print(f"{'':8} " + " ".join(f"{c:>12}" for c in COMPONENTS) + f" {'total':>10} {'bytes/Phi':>10}")
         for stage in range(4):

@@ -14,25 +14,35 @@ rank that owns each whole tensor.) In fp32 the master copy is the parameter buff
 8 S (12 S at stages 1-2 with qwZ, whose post-step gather overwrites the parameter
 shard). ZeRO++ hpZ adds its secondary shard, N S / H e_c, to the parameters, and
 stage-3 qWD this rank's piece of the reconstructed weights, S e_c (the transient
-quantized send/receive buffers of qwZ, qWD and qgZ are not counted). The stage-3 working set is the peak of what is gathered at once (the
-current module's units and those of the ``zero.prefetch_depth`` modules prefetched
-ahead; a unit used by two modules, the embedding tied to the head on one stage,
-stays gathered through backward) plus the full gradients alive (the unit filling
+quantized send/receive buffers of qwZ, qWD and qgZ are not counted). The stage-3
+working set is the peak of what is gathered at once (the current module's units
+and those of the ``zero.prefetch_depth`` modules prefetched ahead; a unit used by
+two modules, the embedding tied to the head on one stage, stays gathered through
+backward) plus the full gradients alive (the unit filling
 and up to ``zero.reduce_in_flight`` being reduce-scattered), walked through one
 forward and one backward of each chunk (``_working_peak``); stage 2 holds the
 filling unit's and the in-flight ones' full gradients during backward, or every
 unit's while gradients accumulate over several micro-batches.
 
+Mixture of experts: the routed experts' tensors (``layers.<i>.mlp.experts.w_up`` / ``w_down``, stacked over the
+experts on dim 0) are split over ``parallel.ep``: a rank holds num_experts / ep of them, and they are sharded over
+the expert-data-parallel group (the dp / ep ranks holding the same experts), every other tensor over DP as
+today. Each ZeRO unit (a block) is then two: its dense tensors over DP, its expert tensors over that group
+(``_parts``); at ep = 1 a unit is one, as for a dense model. The router, shared experts and gate are dense
+tensors. Measured against the engine at ep = 1; the ep > 1 arithmetic assumes the expert units of
+``parallel/zero`` follow Megatron's expert-data-parallel sharding.
+
 Activations (seed 004 §memory, 16-bit): with a checkpoint every ``ci`` blocks,
 the checkpoints take 2 * b * s * h * layers / ci bytes per micro-batch in flight
 and recomputing one segment needs b * s * ci * (16 h + 2 heads s). Without
 recomputation, Megatron's per-layer figure s b h (34 + 5 heads s / h) (divided
-by t under SP, its TP form otherwise).
+by t under SP, its TP form otherwise). An MoE layer's activations are counted as the dense layer's (the
+top_k expert rows per token and the dispatch buffers are not modelled).
 """
 from __future__ import annotations
 
 import math
-from typing import Dict, List
+from typing import Dict, List, Sequence, Tuple
 
 from config import Config, grad_accumulation_precision
 from optimizers.tensor_rules import rule_of
@@ -53,8 +63,9 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     if cfg.precision == "fp8":
         return _fp8_state_bytes(cfg, layout, rank, chunks)
     if z.stage == 0:
-        phi = sum(p.numel() for c in chunks for p in c.parameters())
-        state = sum(optimizer_state_bytes(cfg, n, p, layout.tp) for c in chunks for n, p in c.named_parameters())
+        held = [(n, held_tensor(cfg, layout, n, p)) for c in chunks for n, p in c.named_parameters()]
+        phi = sum(p.numel() for _, p in held)
+        state = sum(optimizer_state_bytes(cfg, n, p, layout.tp) for n, p in held)
         return {"parameters": 4 * phi, "gradients": 4 * phi, "optimizer": state, "working_peak": 0}
     e_c = DTYPE_BYTES[cfg.precision]
     e_r = e_c if z.reduce_dtype == "compute" else 4
@@ -68,23 +79,27 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
     for chunk in chunks:
         units, uses = chunk_units(chunk)
         names = {p: name for name, p in chunk.named_parameters()}
-        layouts = [shard_layout([p.numel() for p in u.params], n, z.partition) for u in units]
-        shards = [lay.shard_size for lay in layouts]
-        if cfg.train.optimizer != "adamw":  # whole tensors (zero.partition=whole_tensor): each owner's states
-            for u, lay in zip(units, layouts):
-                out["optimizer"] += sum(optimizer_state_bytes(cfg, names[u.params[i]], u.params[i], layout.tp)
-                                        for i, *_ in lay.owned(dp_rank)) - 8 * lay.shard_size
-        for s in shards:
-            out["parameters"] += (n * s if z.stage < 3 else s) * e_c
-            if z.stage == 3 and z.hpz_size > 1:  # ZeRO++ hpZ's secondary shard
-                out["parameters"] += n * s // z.hpz_size * e_c
-            if z.stage == 3 and z.weight_delta:  # qWD: this rank's piece of the reconstructed weights
-                out["parameters"] += s * e_c
-            out["gradients"] += (n * s if z.stage == 1 else s) * e_r
-            out["optimizer"] += (master + 8) * s
-        chunk_grads.append(sum(n * s * e_r for s in shards))
-        full_p = [n * s * e_c if z.stage == 3 else 0 for s in shards]
-        full_g = [n * s * e_r for s in shards]
+        full_p, full_g = [], []
+        for u in units:
+            unit_p = unit_g = 0
+            for part_names, tensors, group, group_rank in _parts(cfg, layout, u.params, names, dp_rank):
+                lay = shard_layout([p.numel() for p in tensors], group, z.partition)
+                s = lay.shard_size
+                if cfg.train.optimizer != "adamw":  # whole tensors (zero.partition=whole_tensor): owners' states
+                    out["optimizer"] += sum(optimizer_state_bytes(cfg, part_names[i], tensors[i], layout.tp)
+                                            for i, *_ in lay.owned(group_rank)) - 8 * s
+                out["parameters"] += (group * s if z.stage < 3 else s) * e_c
+                if z.stage == 3 and z.hpz_size > 1:  # ZeRO++ hpZ's secondary shard
+                    out["parameters"] += group * s // z.hpz_size * e_c
+                if z.stage == 3 and z.weight_delta:  # qWD: this rank's piece of the reconstructed weights
+                    out["parameters"] += s * e_c
+                out["gradients"] += (group * s if z.stage == 1 else s) * e_r
+                out["optimizer"] += (master + 8) * s
+                unit_p += group * s * e_c if z.stage == 3 else 0
+                unit_g += group * s * e_r
+            full_p.append(unit_p)
+            full_g.append(unit_g)
+        chunk_grads.append(sum(full_g))
         depth = z.prefetch_depth if z.stage == 3 and z.prefetch else 0
         peaks.append(_working_peak(uses, full_p, full_g, depth, z.reduce_in_flight))
     if z.stage == 3 or (z.stage == 2 and layout.num_microbatches == 1):
@@ -95,6 +110,45 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
         spans = [(backwards.index(c), len(backwards) - 1 - backwards[::-1].index(c)) for c in range(len(chunks))]
         out["working_peak"] = max(sum(g for g, (a, b) in zip(chunk_grads, spans) if a <= t <= b)
                                   for t in range(len(backwards)))
+    return out
+
+
+def is_routed_expert(name: str) -> bool:
+    """Whether parameter ``name`` holds routed experts (stacked on dim 0, split over parallel.ep)."""
+    return name.split(".")[-2:-1] == ["experts"]
+
+
+def held_tensor(cfg: Config, layout: Layout, name: str, p):
+    """What this rank holds of parameter ``p`` (a meta chunk's): a routed expert tensor's num_experts / ep experts
+    (``p`` may already be this EP rank's piece, or the whole stack), any other tensor whole."""
+    ep, experts = layout.ep, cfg.model.moe.num_experts
+    if ep <= 1 or not is_routed_expert(name) or p.shape[0] != experts:
+        return p
+    piece = p.narrow(0, 0, experts // ep)
+    piece.spec = p.spec
+    return piece
+
+
+def held_parameters(cfg: Config, layout: Layout, rank: int = 0) -> int:
+    """Parameter elements ``rank`` holds (Phi): its pipeline stage's, routed experts divided by parallel.ep."""
+    chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
+    return sum(held_tensor(cfg, layout, n, p).numel() for c in chunks for n, p in c.named_parameters())
+
+
+def _parts(cfg: Config, layout: Layout, params: Sequence, names: Dict, dp_rank: int) -> List[Tuple]:
+    """A ZeRO unit's tensors as (names, held tensors, group size, this rank's index in the group) per group they
+    are sharded over: all of them over DP at ep = 1 (or without experts); else the dense ones over DP and the
+    routed experts (num_experts / ep of them) over the expert-data-parallel group of dp / ep ranks."""
+    ep = layout.ep
+    if ep <= 1 or not any(is_routed_expert(names[p]) for p in params):
+        return [([names[p] for p in params], list(params), layout.dp, dp_rank)]
+    dense = [p for p in params if not is_routed_expert(names[p])]
+    experts = [p for p in params if is_routed_expert(names[p])]
+    out = []
+    if dense:
+        out.append(([names[p] for p in dense], dense, layout.dp, dp_rank))
+    out.append(([names[p] for p in experts], [held_tensor(cfg, layout, names[p], p) for p in experts],
+                layout.dp // ep, dp_rank // ep))
     return out
 
 
@@ -128,25 +182,28 @@ def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
     z = cfg.zero
     chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
     if cfg.precision == "fp8":
-        return 0 if z.stage else 2 * _fp8_kept_numel(chunks)
+        return 0 if z.stage else 2 * _fp8_kept_numel(cfg, layout, chunks)
     if z.stage != 3 or not z.prefetch or not chunks:
         return 0
     units, uses = chunk_units(chunks[0])
+    names = {p: name for name, p in chunks[0].named_parameters()}
     ahead: List[int] = []
     for use in uses[:z.prefetch_depth + 1]:
         ahead += [u for u in use.units if u not in ahead]
     e_c = DTYPE_BYTES[cfg.precision]
-    return sum(layout.dp * shard_layout([p.numel() for p in units[u].params], layout.dp, z.partition).shard_size
-               * e_c for u in ahead)
+    dp_rank = layout.coords(rank)[1]
+    return sum(group * shard_layout([p.numel() for p in tensors], group, z.partition).shard_size * e_c
+               for u in ahead for _, tensors, group, _ in _parts(cfg, layout, units[u].params, names, dp_rank))
 
 
-def _fp8_kept_numel(chunks) -> int:
+def _fp8_kept_numel(cfg: Config, layout: Layout, chunks) -> int:
     """Elements of the 16-bit working weights FP8-LM keeps at stage 0: all but the weights only FP8 GEMMs read
     (their operands are cast from the masters: ``fp8.scaling.fp8_only_weights``)."""
     from fp8.scaling import fp8_only_weights
 
     sourced = fp8_only_weights(chunks)
-    return sum(p.numel() for c in chunks for p in c.parameters() if p not in sourced)
+    return sum(held_tensor(cfg, layout, n, p).numel() for c in chunks for n, p in c.named_parameters()
+               if p not in sourced)
 
 
 def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str, int]:
@@ -163,28 +220,34 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     from fp8.zero_unit import OwnerBalance
 
     out = dict.fromkeys(COMPONENTS + ("fp8_weights",), 0)
-    peaks, weights_only, grads_all, owners = [0], [0], 0, OwnerBalance(n)
-    kept = 2 * _fp8_kept_numel(chunks) if z.stage == 0 else 0  # stage 0: 16-bit working weights held all the time
+    peaks, weights_only, grads_all = [0], [0], 0
+    owners = {n: OwnerBalance(n), max(n // layout.ep, 1): OwnerBalance(max(n // layout.ep, 1))}  # per group size
+    kept = 2 * _fp8_kept_numel(cfg, layout, chunks) if z.stage == 0 else 0  # stage 0: 16-bit weights kept
     for chunk in chunks:
         units, uses = chunk_units(chunk)
+        names = {p: name for name, p in chunk.named_parameters()}
         full_p, full_g = [], []
         for unit in units:
-            numels = [p.numel() for p in unit.params]
-            total, t = sum(numels), len(numels)
-            if z.stage == 0:
-                owned = total
-            else:
-                lay = owners.layout(numels)
-                owned = sum(numels[i] for i, _, _, _ in lay.owned(dp_rank))
-            w8 = total if z.stage in (1, 2) else owned if z.stage == 3 else 0
-            out["parameters"] += master * owned + 4 * t
-            out["fp8_weights"] += w8 + 4 * t
-            if z.stage == 3 and z.hpz_size > 1:
-                out["fp8_weights"] += -(-total // z.hpz_size) + 4 * t
-            out["gradients"] += owned + 4 * t
-            out["optimizer"] += 3 * owned + 8 * t
-            full_p.append(2 * total if z.stage else 0)
-            full_g.append(DTYPE_BYTES[grad_accumulation_precision(cfg)] * total)
+            unit_p = unit_g = 0
+            for _, tensors, group, group_rank in _parts(cfg, layout, unit.params, names, dp_rank):
+                numels = [p.numel() for p in tensors]
+                total, t = sum(numels), len(numels)
+                if z.stage == 0:
+                    owned = total
+                else:
+                    lay = owners[group].layout(numels)
+                    owned = sum(numels[i] for i, _, _, _ in lay.owned(group_rank))
+                w8 = total if z.stage in (1, 2) else owned if z.stage == 3 else 0
+                out["parameters"] += master * owned + 4 * t
+                out["fp8_weights"] += w8 + 4 * t
+                if z.stage == 3 and z.hpz_size > 1:
+                    out["fp8_weights"] += -(-total // z.hpz_size) + 4 * t
+                out["gradients"] += owned + 4 * t
+                out["optimizer"] += 3 * owned + 8 * t
+                unit_p += 2 * total if z.stage else 0
+                unit_g += DTYPE_BYTES[grad_accumulation_precision(cfg)] * total
+            full_p.append(unit_p)
+            full_g.append(unit_g)
         depth = z.prefetch_depth if z.prefetch else 0
         peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
         weights_only.append(_working_peak(uses, full_p, [0] * len(full_g), depth, 1))
