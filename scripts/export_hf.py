@@ -1,15 +1,19 @@
-"""Export a checkpoint as a Hugging Face Llama, Qwen2 or Mistral directory that ``transformers`` loads with
-``from_pretrained``.
+"""Export a checkpoint as a Hugging Face Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory
+that ``transformers`` loads with ``from_pretrained``.
 
     python scripts/export_hf.py --checkpoint RUN_OR_STEP_DIR --output DIR [--dtype float32|bfloat16|float16]
                                 [--max-shard-size 5GB] [--tokenizer PATH | --no-tokenizer] [--force]
-                                [--model-type llama|qwen2|mistral]
+                                [--model-type llama|qwen2|mistral|qwen3|mixtral|qwen2_moe|qwen3_moe]
 
 ``--checkpoint`` is one checkpoint (``.../step_00000200``), a checkpoint root (its newest valid checkpoint)
 or a run directory holding ``checkpoints/``, written at any layout (tp, pp, dp, any ZeRO stage, fp8):
 checkpoints hold every parameter under its global name and shape, read here in one process with
 ``torch.distributed.checkpoint`` (no process group). The family is ``--model-type``, else the checkpoint's
-``model.hf_model_type`` (an import sets it), else Qwen2 for q/k/v-only biases and Llama otherwise. ``DIR``
+``model.hf_model_type`` (an import sets it), else by what the model has (``model/hf/families.py``
+``hf_model_type``: experts make Qwen3-MoE with QK-norm, Qwen2-MoE with shared experts, Mixtral otherwise; QK-norm
+alone Qwen3; q/k/v-only biases Qwen2; anything else Llama). Experts are written one tensor per expert and
+projection, as ``save_pretrained`` writes them; an MoE layer's expert bias (aux-loss-free balancing) must be zero,
+since the families' routers have none. ``DIR``
 receives ``config.json``, the weights as ``model.safetensors`` (or ``model-0000k-of-0000n.safetensors`` shards
 plus ``model.safetensors.index.json`` when larger than ``--max-shard-size``) and the tokenizer: for our
 sentencepiece model ``tokenizer.model``, ``tokenizer_config.json``, ``special_tokens_map.json``, and
@@ -18,8 +22,9 @@ sentencepiece model ``tokenizer.model``, ``tokenizer_config.json``, ``special_to
 when it has none). With transformers installed, the exported tokenizer is loaded back with ``AutoTokenizer``
 and must encode a few probe texts as ours does, else the export is refused (transformers 5 rebuilds Qwen2's
 tokenizer in code as byte-level BPE: a sentencepiece tokenizer cannot travel as Qwen2). A model the family
-cannot express (``model.activation=gelu``, ``model.norm=layernorm``, biases Qwen2 or Mistral lack) is refused
-with one line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
+cannot express (``model.activation=gelu``, ``model.norm=layernorm``, biases Qwen2 or Mistral lack, QK-norm outside
+Qwen3's families, a sigmoid router, scaled gates, shared experts Mixtral and Qwen3-MoE lack) is refused with one
+line naming the setting; so is a non-empty ``DIR`` unless ``--force``. Exit code 2 on any error.
 The export is written into a temporary directory beside ``DIR`` and swapped in only when complete (the previous
 ``DIR`` renamed aside, the new one renamed in, the previous one removed), so a failed export (bad checkpoint or
 tokenizer, full disk) leaves ``DIR`` as it was, a previous export included, and a ``--force`` export leaves
@@ -51,8 +56,8 @@ sys.path.insert(0, str(ROOT))  # the application runs from the repository root (
 
 import torch  # noqa: E402
 
-from model.hf import (ARCHITECTURES, HFError, check_output_dir, export_problems, first_non_finite,  # noqa: E402
-                      hf_config, hf_model_type, model_config, to_hf)
+from model.hf import (ARCHITECTURES, EXPERT_BIAS, HFError, check_output_dir, export_problems,  # noqa: E402
+                      first_non_finite, hf_config, hf_model_type, model_config, to_hf)
 from scripts._hf_staging import publish, staging_dir, sweep  # noqa: E402
 from training.checkpoint import CheckpointError, find_checkpoint  # noqa: E402
 
@@ -76,8 +81,8 @@ def parse_size(text: str) -> int:
 # ---- the checkpoint -----------------------------------------------------------------------------------------
 
 def model_shapes(m) -> Dict[str, Tuple[int, ...]]:
-    """``model.<name>`` -> the global shape of every parameter a checkpoint of model config ``m`` holds (the model
-    built on the meta device: shapes only)."""
+    """``model.<name>`` -> the global shape of every parameter a checkpoint of model config ``m`` holds, and of its
+    MoE layers' expert biases (the model built on the meta device: shapes only)."""
     from model.gpt import GPTChunk
     from model.layers import TPContext
     from parallel.comm import Group, Ledger
@@ -85,7 +90,9 @@ def model_shapes(m) -> Dict[str, Tuple[int, ...]]:
     tp = Group("tp", None, [0], 0, "intra", Ledger())
     with torch.device("meta"):
         chunk = GPTChunk(m, TPContext(tp, False, rng=None), range(m.n_layers), first=True, last=True)  # type: ignore
-    return {f"model.{name}": tuple(p.shape) for name, p in chunk.named_parameters()}
+    shapes = {f"model.{name}": tuple(p.shape) for name, p in chunk.named_parameters()}
+    shapes.update({f"model.{name}": tuple(b.shape) for name, b in chunk.named_buffers() if name.endswith(EXPERT_BIAS)})
+    return shapes
 
 
 def read_model_tensors(step_dir: Path, shapes: Dict[str, Tuple[int, ...]]) -> Dict[str, torch.Tensor]:
@@ -392,7 +399,7 @@ def export(checkpoint: Path, out: Path, *, dtype: str = "float32", max_shard_siz
     if broken is not None:
         raise HFError(f"checkpoint {step_dir}: model.{broken[0]} holds {broken[1]}: the weights are broken, "
                       "nothing to export")
-    tensors = {k: t.to(DTYPES[dtype]) for k, t in to_hf(ours, settings).items()}
+    tensors = {k: t.to(DTYPES[dtype]) for k, t in to_hf(ours, settings, family).items()}
     broken = first_non_finite(tensors)
     if broken is not None:  # finite before: too large for the dtype
         raise HFError(f"{broken[0]} holds values beyond {dtype}'s range ({broken[1]} as {dtype}): export with "
@@ -425,8 +432,9 @@ def main(argv=None) -> int:
     p.add_argument("--no-tokenizer", action="store_true", help="write the model only (config and weights)")
     p.add_argument("--force", action="store_true", help="write into a non-empty --output")
     p.add_argument("--model-type", choices=sorted(ARCHITECTURES),
-                   help="Hugging Face family to write (default: the checkpoint's model.hf_model_type, else qwen2 "
-                        "for q/k/v-only biases, else llama)")
+                   help="Hugging Face family to write (default: the checkpoint's model.hf_model_type, else "
+                        "qwen3_moe / qwen2_moe / mixtral for experts with QK-norm / shared experts / neither, qwen3 "
+                        "for QK-norm, qwen2 for q/k/v-only biases, else llama)")
     args = p.parse_args(argv)
     try:
         summary = export(Path(args.checkpoint), Path(args.output), dtype=args.dtype,

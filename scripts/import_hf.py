@@ -1,5 +1,5 @@
-"""Import a Hugging Face Llama, Qwen2 or Mistral directory as a checkpoint train.py starts from
-(``checkpoint.init_from``).
+"""Import a Hugging Face Llama, Qwen2, Mistral, Qwen3, Mixtral, Qwen2-MoE or Qwen3-MoE directory as a checkpoint
+train.py starts from (``checkpoint.init_from``).
 
     python scripts/import_hf.py --model DIR --output CHECKPOINT_DIR [--force]
 
@@ -14,21 +14,25 @@ into one; the train command is printed. The tokenizer files (``tokenizer.model``
 ``tokenizer_config.json``, ``special_tokens_map.json``, whichever DIR has) are copied next to the checkpoint;
 ``data.tokenizer`` names the sentencepiece model where there is one, else ``tokenizer.json``.
 
-Llama (Llama 3.x's ``llama3`` RoPE scaling included), Qwen2 (Qwen2.5) and Mistral models import; what we cannot
-express (other RoPE types, sliding windows, QK-norm, mixtures of experts, hidden_act other than silu, attention_bias
-!= mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong shapes) stop with one line
-naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused unless ``--force``, and with it unless it is
-an earlier import (nothing but the files an import writes, its meta.json recording ``imported_from``): a training
-run, its checkpoint or notes are refused naming them. The checkpoint is written whole into a temporary directory
-beside CHECKPOINT_DIR and swapped in once complete, so a failure leaves CHECKPOINT_DIR as it was, and ``--force``
-leaves nothing of the earlier import (no tokenizer file of another kind); what a killed import left beside it is
-cleared by the next, as ``export_hf.py`` does. config.json's fields are checked by type and range before anything
-else (a string where a number or true/false belongs, a non-positive count, ``max_position_embeddings`` above
-``config.MAX_SEQ_LEN``, a list where a name belongs such as ``"model_type": ["llama"]`` or a list as ``rope_type``:
-one line naming the key and its value), and weights holding NaN or inf are refused naming the tensor. Every bad path
-is one line too: a missing one, a file where a directory belongs or the reverse, random bytes as config.json,
-weights or index, an index naming files outside DIR, a ``pytorch_model.bin`` that is not a state dict, and a failed
-write of the checkpoint.
+Llama (Llama 3.x's ``llama3`` RoPE scaling included), Qwen2 (Qwen2.5), Mistral, Qwen3 (``model.qk_norm``) and the
+mixtures of experts Mixtral, Qwen2-MoE and Qwen3-MoE (``model.moe``, its MoE layers from ``decoder_sparse_step`` and
+``mlp_only_layers``; ``router_aux_loss_coef`` becomes ``model.moe.aux_loss_coeff``, see ``model/hf/settings.py``)
+import, ``model.hf_model_type`` naming the family where the other settings do not imply it (always for the last
+four); what we cannot express (other RoPE types, sliding windows, router jitter, other families' QK-norm, Qwen3's
+attention_bias, an MoE layer set that ``model.moe.layer_freq`` / ``first_dense`` cannot describe, hidden_act other
+than silu, attention_bias != mlp_bias, another model_type) and bad inputs (missing directory, no weights, wrong
+shapes) stop with one line naming the reason, exit code 2; a non-empty CHECKPOINT_DIR is refused unless ``--force``,
+and with it unless it is an earlier import (nothing but the files an import writes, its meta.json recording
+``imported_from``): a training run, its checkpoint or notes are refused naming them. The checkpoint is written whole
+into a temporary directory beside CHECKPOINT_DIR and swapped in once complete, so a failure leaves CHECKPOINT_DIR as
+it was, and ``--force`` leaves nothing of the earlier import (no tokenizer file of another kind); what a killed
+import left beside it is cleared by the next, as ``export_hf.py`` does. config.json's fields are checked by type and
+range before anything else (a string where a number or true/false belongs, a non-positive count,
+``max_position_embeddings`` above ``config.MAX_SEQ_LEN``, a list where a name belongs such as
+``"model_type": ["llama"]`` or a list as ``rope_type``: one line naming the key and its value), and weights holding
+NaN or inf are refused naming the tensor. Every bad path is one line too: a missing one, a file where a directory
+belongs or the reverse, random bytes as config.json, weights or index, an index naming files outside DIR, a
+``pytorch_model.bin`` that is not a state dict, and a failed write of the checkpoint.
 """
 from __future__ import annotations
 
@@ -168,7 +172,11 @@ def write_checkpoint(tensors: Dict[str, torch.Tensor], settings: Dict[str, Any],
                     if isinstance(cause, OSError) else f"{cause.__class__.__name__}: {cause}")
             raise HFError(f"cannot write the checkpoint to {out}: {what.splitlines()[0] if what else ''}") from None
     config = to_dict(Config())
-    config["model"].update(settings)
+    for key, value in settings.items():  # model.moe is a section: its other keys keep their defaults
+        if isinstance(value, dict):
+            config["model"][key].update(value)
+        else:
+            config["model"][key] = value
     if tokenizer is not None:
         config["data"]["tokenizer"] = str(tokenizer)
     m = model_config(settings)
@@ -253,7 +261,7 @@ def import_model(model_dir: Path, out: Path, force: bool = False) -> Dict[str, A
 
 def main(argv=None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--model", required=True, help="Hugging Face Llama directory (config.json and weights)")
+    p.add_argument("--model", required=True, help="Hugging Face model directory (config.json and weights)")
     p.add_argument("--output", required=True, help="checkpoint directory to write")
     p.add_argument("--force", action="store_true", help="replace an earlier import in --output")
     args = p.parse_args(argv)
@@ -270,7 +278,8 @@ def main(argv=None) -> int:
     out = Path(args.output).resolve()
     print(f"[import] {args.model} -> {out} ({settings['n_layers']} layers, d_model {settings['d_model']}, "
           f"{settings['n_heads']} heads" + (f", {settings['n_kv_heads']} KV heads" if 'n_kv_heads' in settings else "")
-          + f", vocabulary {settings['vocab_size']}); train from it with:", file=sys.stderr)
+          + (f", {settings['moe']['num_experts']} experts (top {settings['moe']['top_k']})" if "moe" in settings
+             else "") + f", vocabulary {settings['vocab_size']}); train from it with:", file=sys.stderr)
     print(f"python train.py --config {out / 'model.yaml'} data.paths=[YOUR_DATA_PREFIX]")
     return 0
 

@@ -266,9 +266,10 @@ REFUSED = {  # config class, its settings beyond SMALL, what the one line must n
     "mistral_default_window": ("MistralConfig", {}, "sliding_window=4096 (sliding-window attention", None),
     "qwen2_window": ("Qwen2Config", dict(use_sliding_window=True, sliding_window=32),
                      "use_sliding_window=true, sliding_window=32 (sliding-window attention", None),
-    "qwen3": ("Qwen3Config", {}, "model_type='qwen3' (QK-norm", "sliding"),
-    "mixtral": ("MixtralConfig", {}, "mixture-of-experts", "sliding"),
-    "qwen2_moe": ("Qwen2MoeConfig", {}, "num_experts=60 (mixture-of-experts", "sliding"),
+    "qwen3": ("Qwen3Config", dict(attention_bias=True), "attention_bias=true (biases on q, k, v and o_proj", "sliding"),
+    "mixtral": ("MixtralConfig", dict(router_jitter_noise=0.1), "router_jitter_noise=0.1 (routing with", "sliding"),
+    "qwen2_moe": ("Qwen2MoeConfig", dict(mlp_only_layers=[0, 1]), "mlp_only_layers=[0, 1] makes layers [] MoE",
+                  "sliding"),
 }
 
 

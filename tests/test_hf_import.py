@@ -254,12 +254,13 @@ def _config(tmp_path: Path, **changes) -> Path:
      "rope_parameters.low_freq_factor=null is not a finite number above 0"),
     ({"head_dim": 33}, "head_dim=33 is odd"),
     ({"hidden_act": "gelu"}, "hidden_act='gelu'"),
-    ({"model_type": "gemma2"}, "model_type='gemma2' (soft-capped logits and sliding windows; only llama, qwen2 "
-                               "and mistral are supported)"),
-    ({"model_type": "qwen3"}, "model_type='qwen3' (QK-norm"),
+    ({"model_type": "gemma2"}, "model_type='gemma2' (soft-capped logits and sliding windows; only llama, qwen2, "
+                               "mistral, qwen3, mixtral, qwen2_moe and qwen3_moe are supported)"),
+    ({"model_type": "qwen3"}, "the weights lack 4 tensor(s) config.json implies, e.g. "
+                              "model.layers.0.self_attn.q_norm.weight"),
     ({"model_type": "mistral", "sliding_window": 4096}, "sliding_window=4096 (sliding-window attention is not"),
     ({"model_type": "qwen2", "use_sliding_window": True, "sliding_window": 32}, "use_sliding_window=true"),
-    ({"num_local_experts": 8}, "num_local_experts=8 (mixture-of-experts is not supported)"),
+    ({"num_local_experts": 8}, "num_local_experts=8 (mixture-of-experts in a llama model"),
     ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
     ({"hidden_size": None}, "lacks a positive integer hidden_size"),
     ({"intermediate_size": 128}, "mlp.gate_proj.weight has shape (96, 64), config.json implies (128, 64)"),

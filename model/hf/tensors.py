@@ -6,64 +6,99 @@ from typing import Any, Dict, List, Mapping, Optional, Tuple
 
 import torch
 
-from model.hf.families import HFError, model_config
+from config import ModelConfig
+from config.moe import is_moe_layer
+from model.hf.families import HFError, expert_ffn, hf_model_type, model_config, shared_ffn
 
-def _pairs(settings: Mapping[str, Any]) -> List[Tuple[str, str, Any]]:
-    """(our name, HF name, index into our stacked tensor or None) of every parameter."""
+Pair = Tuple[str, str, Any, Tuple[int, ...]]
+"""(our name, Hugging Face name, index into our stacked tensor or None, the Hugging Face tensor's shape)."""
+EXPERT_BIAS = "mlp.router.expert_bias"
+"""Our MoE layers' selection bias (aux-loss-free balancing): a buffer no family here has; zero on import."""
+
+
+def _mlp_pairs(m: ModelConfig, family: str, i: int, ours: str, hf: str, kinds: Tuple[str, ...]) -> List[Pair]:
+    """Layer ``i``'s MLP: the dense one, or router, experts (stacked ``[E, 2, F, d]`` / ``[E, d, F]``: one HF tensor
+    per expert and projection, Mixtral's w1 / w3 / w2 under block_sparse_moe, Qwen's gate / up / down_proj under
+    mlp) and Qwen2-MoE's shared expert and gate."""
+    d = m.d_model
+    if not is_moe_layer(m.moe, i):
+        f, out = m.ffn_size, []
+        for kind in kinds:
+            fd, df = ((f, d), (d, f)) if kind == "weight" else ((f,), (d,))
+            out += [(f"{ours}mlp.up.{kind}", f"{hf}mlp.gate_proj.{kind}", 0, fd),
+                    (f"{ours}mlp.up.{kind}", f"{hf}mlp.up_proj.{kind}", 1, fd),
+                    (f"{ours}mlp.down.{kind}", f"{hf}mlp.down_proj.{kind}", None, df)]
+        return out
+    experts, f = m.moe.num_experts, expert_ffn(m)
+    block = hf + ("block_sparse_moe." if family == "mixtral" else "mlp.")
+    gate, up, down = ("w1", "w3", "w2") if family == "mixtral" else ("gate_proj", "up_proj", "down_proj")
+    out = [(ours + "mlp.router.weight", block + "gate.weight", None, (experts, d))]
+    for e in range(experts):
+        x = f"{block}experts.{e}."
+        out += [(ours + "mlp.experts.w_up", f"{x}{gate}.weight", (e, 0), (f, d)),
+                (ours + "mlp.experts.w_up", f"{x}{up}.weight", (e, 1), (f, d)),
+                (ours + "mlp.experts.w_down", f"{x}{down}.weight", e, (d, f))]
+    if m.moe.shared_experts:
+        fs = shared_ffn(m)
+        out += [(ours + "mlp.shared.up.weight", block + "shared_expert.gate_proj.weight", 0, (fs, d)),
+                (ours + "mlp.shared.up.weight", block + "shared_expert.up_proj.weight", 1, (fs, d)),
+                (ours + "mlp.shared.down.weight", block + "shared_expert.down_proj.weight", None, (d, fs))]
+        if m.moe.shared_gate:
+            out.append((ours + "mlp.shared_gate", block + "shared_expert_gate.weight", None, (1, d)))
+    return out
+
+
+def _pairs(settings: Mapping[str, Any], model_type: Optional[str] = None) -> List[Pair]:
+    """Every parameter of a model of these settings exported as ``model_type`` (default ``hf_model_type``)."""
     m = model_config(settings)
+    family = hf_model_type(settings, model_type)
+    d, q, kv = m.d_model, m.q_size, m.kv_heads * m.head_dim
     gqa = m.kv_heads != m.n_heads
-    out: List[Tuple[str, str, Any]] = [("embedding.weight", "model.embed_tokens.weight", None),
-                                       ("final_norm.weight", "model.norm.weight", None)]
+    out: List[Pair] = [("embedding.weight", "model.embed_tokens.weight", None, (m.vocab_size, d)),
+                       ("final_norm.weight", "model.norm.weight", None, (d,))]
     if not m.tie_embeddings:
-        out.append(("head.weight", "lm_head.weight", None))
+        out.append(("head.weight", "lm_head.weight", None, (m.vocab_size, d)))
     qkv_kinds = ("weight", "bias") if m.attn_bias else ("weight",)
     kinds = ("weight", "bias") if m.bias else ("weight",)
     for i in range(m.n_layers):
         ours, hf = f"layers.{i}.", f"model.layers.{i}."
-        out += [(ours + "attn_norm.weight", hf + "input_layernorm.weight", None),
-                (ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", None)]
+        out += [(ours + "attn_norm.weight", hf + "input_layernorm.weight", None, (d,)),
+                (ours + "mlp_norm.weight", hf + "post_attention_layernorm.weight", None, (d,))]
         for kind in qkv_kinds:
+            qs, kvs = ((q, d), (kv, d)) if kind == "weight" else ((q,), (kv,))
             if gqa:
-                out += [(f"{ours}attn.q.{kind}", f"{hf}self_attn.q_proj.{kind}", None),
-                        (f"{ours}attn.kv.{kind}", f"{hf}self_attn.k_proj.{kind}", 0),
-                        (f"{ours}attn.kv.{kind}", f"{hf}self_attn.v_proj.{kind}", 1)]
+                out += [(f"{ours}attn.q.{kind}", f"{hf}self_attn.q_proj.{kind}", None, qs),
+                        (f"{ours}attn.kv.{kind}", f"{hf}self_attn.k_proj.{kind}", 0, kvs),
+                        (f"{ours}attn.kv.{kind}", f"{hf}self_attn.v_proj.{kind}", 1, kvs)]
             else:
-                out += [(f"{ours}attn.qkv.{kind}", f"{hf}self_attn.{p}_proj.{kind}", j) for j, p in enumerate("qkv")]
+                out += [(f"{ours}attn.qkv.{kind}", f"{hf}self_attn.{p}_proj.{kind}", j, qs)
+                        for j, p in enumerate("qkv")]
+        if m.qk_norm:
+            out += [(f"{ours}attn.{p}_norm.weight", f"{hf}self_attn.{p}_norm.weight", None, (m.head_dim,))
+                    for p in "qk"]
         for kind in kinds:
-            out += [(f"{ours}attn.proj.{kind}", f"{hf}self_attn.o_proj.{kind}", None),
-                    (f"{ours}mlp.up.{kind}", f"{hf}mlp.gate_proj.{kind}", 0),
-                    (f"{ours}mlp.up.{kind}", f"{hf}mlp.up_proj.{kind}", 1),
-                    (f"{ours}mlp.down.{kind}", f"{hf}mlp.down_proj.{kind}", None)]
+            out.append((f"{ours}attn.proj.{kind}", f"{hf}self_attn.o_proj.{kind}", None,
+                        (d, q) if kind == "weight" else (d,)))
+        out += _mlp_pairs(m, family, i, ours, hf, kinds)
     return out
 
 
-def hf_shapes(settings: Mapping[str, Any]) -> Dict[str, Tuple[int, ...]]:
+def hf_shapes(settings: Mapping[str, Any], model_type: Optional[str] = None) -> Dict[str, Tuple[int, ...]]:
     """Every Hugging Face tensor's shape for a model of these settings (lm_head absent when tied)."""
-    m = model_config(settings)
-    d, f, q = m.d_model, m.ffn_size, m.q_size
-    kv = m.kv_heads * m.head_dim
-    per_layer = {"input_layernorm.weight": (d,), "post_attention_layernorm.weight": (d,),
-                 "self_attn.q_proj.weight": (q, d), "self_attn.k_proj.weight": (kv, d),
-                 "self_attn.v_proj.weight": (kv, d), "self_attn.o_proj.weight": (d, q),
-                 "mlp.gate_proj.weight": (f, d), "mlp.up_proj.weight": (f, d), "mlp.down_proj.weight": (d, f)}
-    if m.attn_bias:
-        per_layer.update({"self_attn.q_proj.bias": (q,), "self_attn.k_proj.bias": (kv,),
-                          "self_attn.v_proj.bias": (kv,)})
-    if m.bias:
-        per_layer.update({"self_attn.o_proj.bias": (d,), "mlp.gate_proj.bias": (f,), "mlp.up_proj.bias": (f,),
-                          "mlp.down_proj.bias": (d,)})
-    shapes = {"model.embed_tokens.weight": (m.vocab_size, d), "model.norm.weight": (d,)}
-    if not m.tie_embeddings:
-        shapes["lm_head.weight"] = (m.vocab_size, d)
-    for i in range(m.n_layers):
-        shapes.update({f"model.layers.{i}.{k}": v for k, v in per_layer.items()})
-    return shapes
+    return {hf_name: shape for _, hf_name, _, shape in _pairs(settings, model_type)}
 
 
-def to_hf(ours: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
-    """Hugging Face tensors (contiguous, own storage) from our global tensors; HFError naming a missing one."""
+def to_hf(ours: Mapping[str, torch.Tensor], settings: Mapping[str, Any],
+          model_type: Optional[str] = None) -> Dict[str, torch.Tensor]:
+    """Hugging Face tensors (contiguous, own storage) from our global tensors; HFError naming a missing one, or an
+    MoE layer's expert bias that is not zero (the families' routers have none: the export would route otherwise)."""
+    for name, t in ours.items():
+        if name.endswith(EXPERT_BIAS) and bool(t.ne(0).any()):
+            raise HFError(f"model.{name} is not zero (aux-loss-free balancing moved it, up to "
+                          f"{t.abs().max().item():.3g}): the Hugging Face routers have no selection bias, so the "
+                          "export would choose other experts")
     out = {}
-    for name, hf_name, index in _pairs(settings):
+    for name, hf_name, index, _ in _pairs(settings, model_type):
         if name not in ours:
             raise HFError(f"the checkpoint has no tensor model.{name}")
         t = ours[name] if index is None else ours[name][index]
@@ -90,7 +125,9 @@ def first_non_finite(tensors: Mapping[str, torch.Tensor]) -> Optional[Tuple[str,
 
 def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict[str, torch.Tensor]:
     """Our global fp32 tensors from Hugging Face tensors, every name and shape checked against the settings first, and
-    every value finite (a NaN or inf weight is refused by name: training from it could only diverge).
+    every value finite (a NaN or inf weight is refused by name: training from it could only diverge); each MoE layer's
+    expert bias zero (``EXPERT_BIAS``). Experts are read in the per-expert layout ``save_pretrained`` writes and
+    the Hub holds.
 
     A tied model's ``lm_head.weight`` may be present (it must then equal the embedding) or not."""
     shapes = hf_shapes(settings)
@@ -112,7 +149,24 @@ def from_hf(hf: Mapping[str, torch.Tensor], settings: Mapping[str, Any]) -> Dict
     if tied and "lm_head.weight" in hf and not torch.equal(hf["lm_head.weight"], hf["model.embed_tokens.weight"]):
         raise HFError("tie_word_embeddings is true but lm_head.weight differs from model.embed_tokens.weight")
     grouped: Dict[str, Dict[Any, torch.Tensor]] = {}
-    for name, hf_name, index in _pairs(settings):
+    for name, hf_name, index, _ in _pairs(settings):
         grouped.setdefault(name, {})[index] = hf[hf_name].float()
-    return {name: parts[None] if None in parts else torch.stack([parts[j] for j in sorted(parts)])
-            for name, parts in grouped.items()}
+    out = {name: _stack(parts) for name, parts in grouped.items()}
+    m = model_config(settings)
+    for i in range(m.n_layers):
+        if is_moe_layer(m.moe, i):
+            out[f"layers.{i}.{EXPERT_BIAS}"] = torch.zeros(m.moe.num_experts)
+    return out
+
+
+def _stack(parts: Mapping[Any, torch.Tensor]) -> torch.Tensor:
+    """One of our tensors from its pieces by index: None (the whole), j (``t[j]``) or a tuple (``t[e, j]``)."""
+    if None in parts:
+        return parts[None]
+    index = {(k if isinstance(k, tuple) else (k,)): t for k, t in parts.items()}
+    lead = tuple(max(k[d] for k in index) + 1 for d in range(len(next(iter(index)))))
+    first = next(iter(index.values()))
+    out = first.new_empty(lead + tuple(first.shape))
+    for k, t in index.items():
+        out[k] = t
+    return out
