@@ -27,10 +27,11 @@ unit's while gradients accumulate over several micro-batches.
 Mixture of experts: the routed experts' tensors (``layers.<i>.mlp.experts.w_up`` / ``w_down``, stacked over the
 experts on dim 0) are split over ``parallel.ep``: a rank holds num_experts / ep of them, and they are sharded over
 the expert-data-parallel group (the dp / ep ranks holding the same experts), every other tensor over DP as
-today. Each ZeRO unit (a block) is then two: its dense tensors over DP, its expert tensors over that group
-(``_parts``); at ep = 1 a unit is one, as for a dense model. The router, shared experts and gate are dense
-tensors. Measured against the engine at ep = 1; the ep > 1 arithmetic assumes the expert units of
-``parallel/zero`` follow Megatron's expert-data-parallel sharding.
+today. At ep > 1 an MoE block is two ZeRO units (``chunk_units``): its dense tensors over DP, its experts over
+that group (``_parts``; at ep = 1 the block is one unit, as for a dense model). The router, shared experts and
+gate are dense tensors; in backward the shared experts' gradients arrive before the routed experts' are complete,
+so both units' full gradients are alive at once (``_early_gradients``). Equal byte for byte to what the engine
+holds at ep 1 and 2, ZeRO 0-3 (tests/test_moe_surroundings.py).
 
 Activations (seed 004 §memory, 16-bit): with a checkpoint every ``ci`` blocks,
 the checkpoints take 2 * b * s * h * layers / ci bytes per micro-batch in flight
@@ -42,7 +43,7 @@ top_k expert rows per token and the dispatch buffers are not modelled).
 from __future__ import annotations
 
 import math
-from typing import Dict, List, Sequence, Tuple
+from typing import Dict, List, Sequence, Set, Tuple
 
 from config import Config, grad_accumulation_precision
 from optimizers.tensor_rules import rule_of
@@ -101,7 +102,8 @@ def model_state_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, i
             full_g.append(unit_g)
         chunk_grads.append(sum(full_g))
         depth = z.prefetch_depth if z.stage == 3 and z.prefetch else 0
-        peaks.append(_working_peak(uses, full_p, full_g, depth, z.reduce_in_flight))
+        peaks.append(_working_peak(uses, full_p, full_g, depth, z.reduce_in_flight,
+                                   _early_gradients(units, uses, names)))
     if z.stage == 3 or (z.stage == 2 and layout.num_microbatches == 1):
         out["working_peak"] = max(peaks)
     elif z.stage == 2:  # a chunk's full gradients live from its first backward of the step to its last
@@ -249,7 +251,7 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
             full_p.append(unit_p)
             full_g.append(unit_g)
         depth = z.prefetch_depth if z.prefetch else 0
-        peaks.append(_working_peak(uses, full_p, full_g, depth, 1))
+        peaks.append(_working_peak(uses, full_p, full_g, depth, 1, _early_gradients(units, uses, names)))
         weights_only.append(_working_peak(uses, full_p, [0] * len(full_g), depth, 1))
         grads_all += sum(full_g)
     # one micro-batch: a unit's gradient sums live from its backward to its reduction; with accumulation
@@ -258,14 +260,28 @@ def _fp8_state_bytes(cfg: Config, layout: Layout, rank: int, chunks) -> Dict[str
     return out
 
 
+def _early_gradients(units, uses: List[ModuleUse], names: Dict) -> Set[int]:
+    """Units whose gradients start filling before the other units of their module are complete: an MoE block's
+    dense unit when its routed experts are a unit of their own (``chunk_units`` at ep > 1) and the block has
+    shared experts, which run after the routed ones in forward, so their gradients arrive first in backward (the
+    router's, the dense unit's only other MoE weights, arrive after the experts')."""
+    out: Set[int] = set()
+    for use in uses:
+        if len(use.units) < 2 or not any(is_routed_expert(names[p]) for u in use.units for p in units[u].params):
+            continue
+        out |= {u for u in use.units if any(".mlp.shared" in names[p] for p in units[u].params)}
+    return out
+
+
 def _working_peak(module_uses: List[ModuleUse], full_p: List[int], full_g: List[int], depth: int,
-                  in_flight: int) -> int:
+                  in_flight: int, early: Set[int] = frozenset()) -> int:
     """Peak bytes of gathered parameters plus full gradients during one forward and one backward of a chunk,
     following ``parallel/zero/sharded.py``: a module's units are gathered before it runs (and the next
     ``depth`` modules' prefetched), released after its forward; in backward the gradient of a unit fills its
     full buffer, and when the unit's first user (in forward order) has run backward the unit is released and
-    reduce-scattered, after waiting for the oldest ones until fewer than ``in_flight`` are in flight. A module
-    whose backward does not read its weights (an embedding lookup) is not gathered for backward."""
+    reduce-scattered, after waiting for the oldest ones until fewer than ``in_flight`` are in flight; the units of
+    one module complete last-first, and the ``early`` ones (``_early_gradients``) fill from the module's start. A
+    module whose backward does not read its weights (an embedding lookup) is not gathered for backward."""
     uses = [u.units for u in module_uses]
     backward = [set(u.units) if u.backward_reads_weights else set() for u in module_uses]
 
@@ -282,9 +298,13 @@ def _working_peak(module_uses: List[ModuleUse], full_p: List[int], full_g: List[
     gathered, flying = set(), []
     for i in reversed(range(len(uses))):  # backward
         gathered |= backward[i] | ahead(i, -1)
-        for u in sorted((u for u in uses[i] if first_use[u] == i), reverse=True):
-            peak = max(peak, sum(full_p[v] for v in gathered) + full_g[u] + sum(full_g[v] for v in flying))
+        firsts = sorted((u for u in uses[i] if first_use[u] == i), reverse=True)
+        filling = [u for u in firsts if u in early]
+        for u in firsts:
+            alive = full_g[u] + sum(full_g[v] for v in filling if v != u) + sum(full_g[v] for v in flying)
+            peak = max(peak, sum(full_p[v] for v in gathered) + alive)
             gathered.discard(u)
+            filling = [v for v in filling if v != u]
             flying = (flying + [u])[-in_flight:]
     return peak
 
