@@ -122,7 +122,8 @@ class ModelConfig:
     """Mixture of experts (config/moe.py): routed experts in place of the MLP of some layers; 0 experts = dense."""
     hf_model_type: Optional[str] = None
     """The Hugging Face architecture scripts/export_hf.py writes: llama | qwen2 | mistral | qwen3 | mixtral |
-    qwen2_moe | qwen3_moe; null: qwen2 when the model has q/k/v biases only (model.qkv_bias), else llama. Set by
+    qwen2_moe | qwen3_moe; null: inferred from the model (model/hf/families.py: experts give qwen3_moe with QK-norm,
+    qwen2_moe with shared experts, else mixtral; QK-norm alone qwen3; q/k/v biases only qwen2; else llama). Set by
     scripts/import_hf.py; the computation depends on the other model keys only."""
 
     @property

@@ -62,6 +62,8 @@ def parameter_count(cfg: ModelConfig) -> Dict[str, int]:
     qkv = _qkv_features(cfg)
     norm = d * (2 if cfg.norm == "layernorm" else 1)
     attention = qkv * d + cfg.q_size * d + 2 * norm
+    if cfg.qk_norm:  # the queries' and keys' per-head RMSNorm weights
+        attention += 2 * cfg.head_dim
     if cfg.attn_bias:
         attention += qkv
     if cfg.bias:

@@ -103,10 +103,11 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
             kv_local = 2 * m.head_dim * (m.d_model + (1 if m.attn_bias else 0)) * m.kv_heads * replicas // t
             e_param = 4 if cfg.zero.stage == 0 and not fp8 else e
             out["tp_kv"] += mb * layers * _ring(replicas) * e_param * kv_local
-        if sp and cfg.zero.stage == 0 and not fp8:  # (ZeRO and FP8 sum their pieces themselves: below)
+        qk = 2 * m.head_dim if m.qk_norm else 0  # each TP rank normalises its own heads: summed with SP or not
+        if (sp or qk) and cfg.zero.stage == 0 and not fp8:  # (ZeRO and FP8 sum their pieces themselves: below)
             norm = h * (2 if m.norm == "layernorm" else 1)
-            elems = layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)
-            out["tp"] += _ring(t) * 4 * elems
+            elems = (layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)) if sp else 0
+            out["tp"] += _ring(t) * 4 * (elems + layers * qk)
 
     act = a // t if sp else a
     for action in train_schedule(pp, vp, mb, pp_rank):
@@ -353,7 +354,8 @@ def _local_parameters(cfg: Config, layout: Layout, stages) -> float:
     h, v = m.d_model, m.vocab_size
     norm = h * (2 if m.norm == "layernorm" else 1)
     per_layer_total = (counts["non_embedding"] - norm) / m.n_layers
-    replicated_per_layer = 2 * norm + (2 * h if m.bias else 0)  # norms and row-parallel biases
+    replicated_per_layer = 2 * norm + (2 * h if m.bias else 0) + (2 * m.head_dim if m.qk_norm else 0)
+    # (norms, row-parallel biases and the QK-norm weights)
     per_layer = (per_layer_total - replicated_per_layer) / t + replicated_per_layer
     layers = len(stages) * m.n_layers // (layout.pp * layout.virtual_stages)
     total = layers * per_layer

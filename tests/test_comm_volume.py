@@ -11,6 +11,7 @@ CASES = {
     "tp2_sp_full_recompute": (2, ["parallel.tp=2", "parallel.sequence_parallel=true",
                                   "model.activation_checkpointing=full"]),
     "pp4_vp2": (4, ["parallel.pp=4", "parallel.virtual_stages=2", "model.n_layers=8"]),
+    "tp2_qk_norm": (2, ["parallel.tp=2", "model.qk_norm=true"]),  # its per-head norm weights summed over TP
     "tp2_pp2_sp_tied_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                                 "model.tie_embeddings=true", "model.bias=true", "model.norm=layernorm",
                                 "model.activation_checkpointing=selective"]),

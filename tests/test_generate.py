@@ -275,7 +275,7 @@ def test_every_distributed_setting_is_reset_for_one_process():
     import generate
 
     parallel = {"tp": 2, "pp": 2, "sequence_parallel": True, "virtual_stages": 2, "ranks_per_node": 2,
-                "bucket_mb": 1.0, "overlap_grad_reduce": False, "timeout_s": 30.0}
+                "bucket_mb": 1.0, "overlap_grad_reduce": False, "timeout_s": 30.0, "ep": 2}
     zero = {"stage": 3, "partition": "whole_tensor", "reduce_dtype": "fp32", "prefetch": False,
             "quantized_weights": True, "weight_bits": 4, "hpz_size": 2, "quantized_gradients": True,
             "gradient_bits": 8, "quant_block": 64, "qgz_stages": 1, "qgz_min_numel": 0, "quant_error_interval": 5,
@@ -287,6 +287,7 @@ def test_every_distributed_setting_is_reset_for_one_process():
     config["parallel"].update(parallel)
     config["zero"].update(zero)
     config["model"].update(n_layers=4, d_model=96, n_heads=6, n_kv_heads=2)
+    config["model"]["moe"].update(num_experts=4)  # (parallel.ep=2 splits them; one process holds them all)
     config["precision"] = "fp8"
     for device, precision in (("cpu", "fp32"), ("cuda", "bf16")):
         cfg = generate.build_config({"config": config}, device)
