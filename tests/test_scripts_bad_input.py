@@ -82,6 +82,17 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "steps_1": ["!--steps", "1"],
         "ranks_per_node_0": ["!--ranks-per-node", "0"],
     },
+    "bench_moe.py": {
+        "missing": ["--config", "!{absent}.yaml"],
+        "wrong_kind": ["--config", "!{dir}"],
+        "binary": ["--config", "!{binary}"],
+        "malformed": ["--config", "!{yaml}"],
+        "dense_config": ["--config", "!configs/tiny.yaml"],
+        "steps_0": ["!--steps", "0"],
+        "balance_out_is_a_file": ["--balance", "--out", "!{text}"],
+        "balance_rate_0": ["--balance", "--rates", "!0"],
+        "ep_not_built": ["!--ep"],
+    },
     "bench_overhead.py": {
         "missing": ["--config", "!{absent}.yaml"],
         "wrong_kind": ["--config", "!{dir}"],
