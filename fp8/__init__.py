@@ -7,6 +7,7 @@ amax and gradient reductions; the TP linears call the FP8 GEMM):
   segments.py    per-tensor spread / max / sum over tensors stored back to back (whole-unit operations)
   scaling.py     delayed / current scaling state and amax histories, reduced over their groups
   linear.py      the FP8 linear (torch._scaled_mm) with its autograd
+  experts.py     the routed experts' FP8 GEMMs, each expert on its rows (one scaling state a stacked projection)
   grad_comm.py   FP8 gradient all-reduce / reduce-scatter with the auto-scaling factor mu
   adam.py        AdamW with an FP8 first moment and FP16 second moment
   device.py      the capability check (compute capability, never the device name)

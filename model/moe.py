@@ -23,6 +23,11 @@ bf16 (SM >= 80: CUTLASS kernels on sm90/sm100, a loop over groups elsewhere). An
 the experts computes the same products (16-bit CPU GEMMs through ``parallel/cpu_gemm.linear``, in fp32 where that
 is faster). What is said to be fp32 here (router, gates, the sum of the experts' outputs) is float64 in a float64
 model, which then computes in float64 throughout.
+
+Under ``precision=fp8`` with FP8 operands (``config.fp8_operands``) each expert's projections are FP8 GEMMs on its
+rows, as every FP8 linear's (``fp8/experts.py``: E4M3 forward, both backward GEMMs in FP8 with the gradient format,
+one set of scaling states per stacked projection, named ``layers.<i>.mlp.experts.up`` / ``.down``); the router and
+the shared experts' gate stay fp32, the shared experts are FP8 linears like the dense MLP's.
 """
 from __future__ import annotations
 
@@ -35,8 +40,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from config import ModelConfig
+from config import Fp8Config, ModelConfig
 from config.moe import MoeConfig
+from fp8.experts import Fp8ExpertProjection
 from model.layers import MLP, TPContext
 from parallel import comm
 from parallel.comm import Group
@@ -153,11 +159,19 @@ class Experts(nn.Module):
     """``E`` FFNs (SwiGLU or GELU, as ``model.activation``; no biases), stacked so each projection is one grouped
     GEMM over the token-slots sorted by expert; a loop over the experts where the grouped GEMM does not run.
 
-    ``grouped``: None picks by ``grouped_gemm_runs``; True or False forces a path (tests compare the two)."""
+    ``grouped``: None picks by ``grouped_gemm_runs``; True or False forces a path (tests compare the two).
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: Optional[Group] = None, sp: bool = False):
+    ``fp8`` (``precision=fp8`` where the run casts GEMM operands to FP8): each projection is an FP8 GEMM per expert
+    (``fp8/experts.py``), with one set of FP8 scaling states per stacked projection shared by its experts, in the
+    children ``up`` and ``down`` (``layers.<i>.mlp.experts.up`` / ``.down``); the weights keep their names and are
+    read only through those states (``reads_parameters`` false). With 16-bit GEMMs (``fp8.gemm=bf16 | fp16``) the
+    experts are the 16-bit ones, as every linear then is."""
+
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, ep: Optional[Group] = None, sp: bool = False,
+                 tp: Optional[Group] = None, fp8: Optional[Fp8Config] = None):
         """``ep``: the expert-parallel group (this rank holds its share of the experts); ``sp``: the tokens are a
-        TP rank's sequence slice, so the gradients are partial sums over TP (``ParamSpec.sequence_parallel``)."""
+        TP rank's sequence slice, so the gradients are partial sums over TP (``ParamSpec.sequence_parallel``);
+        ``tp``: the TP group FP8 casts reduce their amaxes over (``fp8/scaling.py``); ``fp8``: FP8 GEMMs."""
         super().__init__()
         self.num_experts, self.d_model = moe.num_experts, cfg.d_model
         self.ffn = moe.ffn_hidden if moe.ffn_hidden is not None else cfg.ffn_size
@@ -170,6 +184,13 @@ class Experts(nn.Module):
         self.w_up = new_param((E,) + lead + (f, d), None, 1, std=cfg.init_std, **split)
         self.w_down = new_param((E, d, f), None, 1, std=scaled_init_std(cfg.init_std, cfg.n_layers), **split)
         self.grouped: Optional[bool] = None
+        self.fp8 = fp8 is not None
+        if fp8 is not None:
+            if tp is None:
+                raise ValueError("Experts: FP8 GEMMs need the TP group their casts reduce amaxes over")
+            self.up = Fp8ExpertProjection(self.w_up, fp8, tp)
+            self.down = Fp8ExpertProjection(self.w_down, fp8, tp)
+            self.reads_parameters = False  # (fp8/scaling.fp8_only_weights: only the FP8 GEMMs read the weights)
 
     def use_grouped(self, dtype: torch.dtype, device: torch.device) -> bool:
         """Whether this forward's projections run as ``torch._grouped_mm``."""
@@ -186,6 +207,8 @@ class Experts(nn.Module):
     def _ffn(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
         """Each expert's FFN of its rows of ``xs`` (``[N, d]``, sorted by expert, ``counts [E]`` rows each; this EP
         rank's experts under expert parallelism)."""
+        if self.fp8:
+            return self._fp8_ffn(xs, counts)
         up = self.w_up.flatten(1, -2).to(xs.dtype)  # [E, (2) F, d]
         down = self.w_down.to(xs.dtype)  # [E, d, F]
         if self.use_grouped(xs.dtype, xs.device):
@@ -195,6 +218,13 @@ class Experts(nn.Module):
         outs = [linear(self._activation(linear(rows, up[e])), down[e])
                 for e, rows in enumerate(xs.split(counts.tolist())) if rows.shape[0]]
         return torch.cat(outs) if outs else xs.new_zeros((0, self.d_model))
+
+    @torch.compiler.disable
+    def _fp8_ffn(self, xs: torch.Tensor, counts: torch.Tensor) -> torch.Tensor:
+        """``_ffn`` with FP8 GEMMs, each expert on its rows (``fp8/experts.py``). Eager under ``train.compile``: the
+        per-expert loop runs over the routing's row counts, which a compiled graph would be specialised on."""
+        sizes = counts.tolist()
+        return self.down(self._activation(self.up(xs, sizes)), sizes)
 
     def forward(self, x: torch.Tensor, experts: torch.Tensor, gates: torch.Tensor, capacity: Optional[int] = None,
                 before: Optional[torch.Tensor] = None) -> Tuple[torch.Tensor, torch.Tensor]:
@@ -273,7 +303,7 @@ class MoE(nn.Module):
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.bias_update_rate = moe.bias_update_rate
         self.router = Router(cfg, moe, sp)
-        self.experts = Experts(cfg, moe, ctx.ep, sp=sp is not None)
+        self.experts = Experts(cfg, moe, ctx.ep, sp=sp is not None, tp=ctx.tp, fp8=ctx.fp8)
         self.shared: Optional[MLP] = None
         self.shared_gate: Optional[nn.Parameter] = None
         if moe.shared_experts > 0:

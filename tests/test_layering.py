@@ -24,8 +24,10 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("parallel primitives: launch, layout, mesh, the communication door, RNG, schedules, pipeline",
      ["parallel.launch", "parallel.layout", "parallel.mesh", "parallel.comm", "parallel.random",
       "parallel.schedule", "parallel.pipeline"]),
-    ("FP8 numerics: formats, scaling state, FP8 GEMMs, FP8 gradient communication, FP8 AdamW, device check",
-     ["fp8.format", "fp8.segments", "fp8.scaling", "fp8.linear", "fp8.grad_comm", "fp8.adam", "fp8.device"]),
+    ("FP8 numerics: formats, scaling state, FP8 GEMMs (linears, experts), FP8 gradient communication, FP8 AdamW, "
+     "device check",
+     ["fp8.format", "fp8.segments", "fp8.scaling", "fp8.linear", "fp8.experts", "fp8.grad_comm", "fp8.adam",
+      "fp8.device"]),
     ("parallel layers and shared gradient rules: TP/SP linears, vocab-parallel cross entropy, optimizer rules, "
      "16-bit CPU GEMMs, the MoE token exchange",
      ["parallel.tensor_parallel", "parallel.cross_entropy", "parallel.optim_rules", "parallel.cpu_gemm",
