@@ -156,20 +156,24 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def check_sizes(metadata: Metadata, expected: Dict[str, Sequence[int]], file: Path) -> None:
-    """Every tensor of ``expected`` (name -> global shape this model has) that the metadata holds has that size there:
-    CheckpointError naming the first that has not, before anything is allocated or read (a metadata file can claim
-    any size: a re-hashed one claimed 4 TB)."""
+    """Every tensor of ``expected`` (name -> global shape this model has) is in the metadata, with that size:
+    CheckpointError naming the first that is not, before anything is allocated or read (a metadata file can claim
+    any size: a re-hashed one claimed 4 TB; a missing tensor was DCP's multi-line "Missing key" error)."""
     for key, shape in expected.items():
         md = metadata.state_dict_metadata.get(key)
-        if md is not None and tuple(md.size) != tuple(shape):
+        if md is None:
+            raise CheckpointError(f"{file}: tensor {key}, which this model has, is not there (a checkpoint of "
+                                  "another model or of an older version of it, or a damaged one)")
+        if tuple(md.size) != tuple(shape):
             raise CheckpointError(f"{file}: tensor {key} is {tuple(md.size)} there, this model's is {tuple(shape)} "
                                   "(a checkpoint of another model, or a damaged one)")
 
 
 def load_dcp(state: Dict[str, torch.Tensor], path: Path, no_dist: bool = False) -> None:
     """``dcp.load`` of a checkpoint directory through :class:`SafeFileSystemReader` (every DCP load of the
-    project goes through here); a refused metadata file, or one whose sizes are not those of ``state``'s (global)
-    tensors, raises its one-line CheckpointError before DCP starts (on every rank: each reads the same file)."""
+    project goes through here); a refused metadata file, or one that lacks one of ``state``'s (global) tensors or
+    whose sizes are not theirs, raises its one-line CheckpointError before DCP starts (on every rank: each reads
+    the same file)."""
     reader = SafeFileSystemReader(str(path))
     check_sizes(reader.read_metadata(), {k: tuple(v.shape) for k, v in state.items()}, Path(path) / ".metadata")
     dcp.load(state, storage_reader=reader, no_dist=no_dist)
