@@ -108,9 +108,6 @@ def validate_moe(cfg, need: Callable[[bool, str], None]) -> None:
     need(ep == 1 or not zeropp,
          f"parallel.ep={ep} with ZeRO++ ({', '.join(zeropp)}) is not built: its node-local groups and quantized "
          f"collectives span the whole data-parallel group, the routed experts shard over dp / ep ranks")
-    need(ep == 1 or cfg.precision != "fp8",
-         f"parallel.ep={ep} with precision=fp8 is not built yet: FP8-LM's data-parallel strategy has no "
-         f"expert-data-parallel groups (use parallel.ep=1, every rank holding every expert)")
     tp = cfg.parallel.tp
     shared = e.shared_ffn_hidden if e.shared_ffn_hidden is not None else \
         (e.ffn_hidden if e.ffn_hidden is not None else m.ffn_size) * e.shared_experts

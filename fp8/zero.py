@@ -87,7 +87,7 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
         self._cast_mu = self.autoscale.mu
         self._overflow = torch.zeros(2, dtype=torch.float64, device=mesh.device)  # overflowing, counted elements
         master_dtype = MASTER_DTYPES[f.master_dtype]
-        owners = OwnerBalance(mesh.dp.size)
+        owners: Dict[int, OwnerBalance] = {}  # per group size: DP's, and the expert units' (dp / ep ranks)
         self.packed = packed_updates(mesh.device)
         # train.compile: a unit's whole-unit operations (gradient cast, dequantizations, the AdamW update) compiled,
         # each into a few fused kernels (one graph per kind of unit: embedding, block, final norm)
@@ -147,7 +147,10 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
 
     @torch.no_grad()
     def _reduce(self, unit: Fp8Unit) -> None:
-        """Cast the unit's accumulated gradients to FP8 (g' = mu g) and reduce them over DP (FP8-LM §2.1)."""
+        """Cast the unit's accumulated gradients to FP8 (g' = mu g) and reduce them over DP (FP8-LM §2.1); routed
+        experts split over EP over their expert-data-parallel group (``unit.group``), still as a mean over the whole
+        DP group: each EP rank's expert gradients hold the contributions of its EP group's tokens, so their sum over
+        the group is divided by the DP size, not the group's (the result's scale ``N s'_g`` times dp / N)."""
         unit.reduced = True
         self._cast_mu = self.autoscale.mu
         if unit.grad_acc is None:  # no gradient reached this unit: zeros, reduced like any other
@@ -174,23 +177,25 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
         unit.grad_acc = None
         unit.grad_views = None
         del acc
-        dp = self.mesh.dp
-        if self.stage == 0 and dp.size == 1:  # one rank: no exchange, the same bits (grad_comm.reduce_one_rank)
+        group = unit.group
+        if self.stage == 0 and group.size == 1:  # one rank: no exchange, the same bits (grad_comm.reduce_one_rank)
             segments, _, position = _segments(_key(unit.bounds), 0, data.numel(), data.device)
             out, result_scale, overflow = self._reduce_one(data, scales, segments, position)
             numel = sum(b - a for a, b in unit.bounds)
             unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
         elif self.stage == 0:  # every rank keeps the whole reduced gradient (flat layout: bounds == where)
-            out, result_scale, overflow, numel = _all_reduce_fp8(data, scales, unit.bounds, dp)
+            out, result_scale, overflow, numel = _all_reduce_fp8(data, scales, unit.bounds, group)
             unit.grad8.copy_(out.view(torch.uint8)[:unit.extent])
         else:  # this rank keeps its owned tensors' sums, cast back to FP8 (data in the scale N s'_g convention)
-            res = _reduce_scatter_fp8(data, scales, unit.bounds, dp)
+            res = _reduce_scatter_fp8(data, scales, unit.bounds, group)
             base = unit.rank * unit.S
             for i in unit.owned:
                 a, b = unit.where[i]
                 lo, hi = unit.bounds[i]
                 unit.grad8[a:b] = quantize(res.sum[lo - base:hi - base], 1.0, self.grad_fmt).view(torch.uint8)
             result_scale, overflow, numel = res.result_scale, res.overflow, res.numel
+        if group.size != self.mesh.dp.size:  # an expert unit: the mean over DP (exact: scales times a whole number)
+            result_scale = result_scale * (self.mesh.dp.size // group.size)
         unit.grad_scale.copy_(result_scale)
         self._overflow[0] += overflow + saturated
         self._overflow[1] += numel
@@ -215,19 +220,21 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
     # -- optimizer --------------------------------------------------------------------------------
     def norm_terms(self) -> torch.Tensor:
         """This rank's addends to the step's world sum (float64, ``Engine.train_step``): the squared norm of the
-        reduced gradients it owns (stage 0: on DP rank 0 only, every DP rank holding every gradient), then the
-        overflow counts (overflowing or saturated elements, elements counted) since the last step."""
+        reduced gradients it owns (stage 0: on the first rank of each unit's group only, every rank of the group
+        holding every gradient), then the overflow counts (overflowing or saturated elements, elements counted)
+        since the last step."""
         sq = torch.zeros(1, dtype=torch.float32, device=self.mesh.device)
-        if self.stage != 0 or self.mesh.dp_rank == 0:
-            for u in self.units:  # packed: the per-tensor sums of squares of a whole unit at once
-                if not u.packed:
-                    for i in u.owned:
-                        if u.in_norm[i]:
-                            sq += self._grad(u, i).square().sum()
-                elif u.owned:
-                    pk = u.packing()
-                    sq += self._square_sum(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale),
-                                           pk["owned"], pk["in_norm"])
+        for u in self.units:  # packed: the per-tensor sums of squares of a whole unit at once
+            if self.stage == 0 and u.group.rank != 0:
+                continue
+            if not u.packed:
+                for i in u.owned:
+                    if u.in_norm[i]:
+                        sq += self._grad(u, i).square().sum()
+            elif u.owned:
+                pk = u.packing()
+                sq += self._square_sum(u.grad8[:u.extent].view(self.grad_fmt), self._owned_scales(u, u.grad_scale),
+                                       pk["owned"], pk["in_norm"])
         terms = torch.cat([sq.double(), self._overflow])
         self._overflow.zero_()
         return terms
@@ -297,7 +304,8 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
         return dict(self.mu_record)
 
     def unsharded_grads(self) -> Dict[str, torch.Tensor]:
-        """Every parameter's reduced gradient (DP mean, mu removed), gathered over DP: a collective, for tests."""
+        """Every parameter's reduced gradient (DP mean, mu removed), gathered over each unit's group (DP, or an
+        expert unit's expert-data-parallel group): a collective, for tests."""
         out = {}
         mu = self._cast_mu  # the mu this step's gradients were cast with (clip may have moved it since)
         for u in self.units:
@@ -306,7 +314,7 @@ class Fp8DataParallel(Fp8Weights, Fp8Checkpointing, ZeroDataParallel):
                 a, b = u.compact[i]
                 full[a:b] = self._grad(u, i) / mu
             if self.stage > 0:
-                comm.all_reduce(full, self.mesh.dp)
+                comm.all_reduce(full, u.group)
             for name, p, (a, b) in zip(u.names, u.params, u.compact):
                 out[name] = full[a:b].view(p.shape)
         return out

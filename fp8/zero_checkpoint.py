@@ -37,7 +37,7 @@ class Fp8Checkpointing:
             self._staging.append(stage)
             for i, (name, p) in enumerate(zip(u.names, u.params)):
                 spec, local = p.spec, tuple(p.shape)
-                offset = spec.tp_offset(local, self.mesh.tp_rank)
+                offset = spec.local_offset(local, self.mesh.tp_rank, self.mesh.ep_rank)  # (an expert's EP piece)
                 pieces = {k: [(0, p.numel(), buf[u.where[i][0]:u.where[i][1]])] if i in u.where else []
                           for k, buf in stage.items()}
                 out[name] = {k: shard_view(spec.global_shape, local, offset, pieces[k], buf)

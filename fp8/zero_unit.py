@@ -45,23 +45,30 @@ class Fp8Unit:
     """One unit's FP8-LM state on this rank (see the module docstring for what lives where).
 
     Three coordinate systems: ``bounds`` place tensors in the reduction/gather layout (N shards of S,
-    padded), ``where`` in this rank's packed state buffers (owned tensors back to back, no padding), and
-    ``compact`` in the unit's working buffers (all tensors back to back)."""
+    padded; N the size of ``group``), ``where`` in this rank's packed state buffers (owned tensors back to
+    back, no padding), and ``compact`` in the unit's working buffers (all tensors back to back)."""
 
-    def __init__(self, spec: UnitSpec, owners: "OwnerBalance", names: Dict[nn.Parameter, str], mesh: Mesh,
-                 stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False,
+    def __init__(self, spec: UnitSpec, owners: Dict[int, "OwnerBalance"], names: Dict[nn.Parameter, str],
+                 mesh: Mesh, stage: int, master_dtype: torch.dtype, working: Working, hpz: int, packed: bool = False,
                  acc_dtype: torch.dtype = torch.bfloat16, work_dtype: torch.dtype = torch.bfloat16,
                  sourced: Sequence[nn.Parameter] = ()):
         self.name, self.params, self.stage, self.working = spec.name, spec.params, stage, working
         self.packed = packed  # whole-unit operations (see packed_updates)
         self.names = [names[p] for p in self.params]
-        dp, device = mesh.dp, mesh.device
-        self.group = dp  # (the ranks it is sharded over, as ZeRO's Unit.group: FP8-LM has no expert groups yet)
+        device = mesh.device
+        # the ranks it is reduced and sharded over, as ZeRO's Unit.group: DP, or for routed experts split over EP
+        # (a unit of their own, parallel/zero/units.py) their expert-data-parallel group, the DP ranks holding the
+        # same experts; their gradients are still the mean over the whole DP group (Fp8DataParallel._reduce)
+        self.expert = any(p.spec.expert for p in self.params)
+        self.group = group = mesh.edp if self.expert else mesh.dp
         numels = [p.numel() for p in self.params]
         # stage 0 reduces over a flat layout (the shared scale makes any split valid); stages 1-3 own whole
-        # tensors, spread over the ranks across units (OwnerBalance)
-        self.layout = shard_layout(numels, dp.size, "flat") if stage == 0 else owners.layout(numels)
-        self.S, self.T, self.N, self.rank = self.layout.shard_size, len(self.params), dp.size, dp.rank
+        # tensors, spread over the group's ranks across the units of that group size (OwnerBalance)
+        if stage == 0:
+            self.layout = shard_layout(numels, group.size, "flat")
+        else:
+            self.layout = owners.setdefault(group.size, OwnerBalance(group.size)).layout(numels)
+        self.S, self.T, self.N, self.rank = self.layout.shard_size, len(self.params), group.size, group.rank
         self.bounds = [(off, off + n) for n, off in zip(numels, self.layout.offsets)]
         at = [0]
         for n in numels:

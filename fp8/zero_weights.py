@@ -64,7 +64,7 @@ class Fp8Weights:
     def _all_gather_weights(self, u: Fp8Unit, async_op: bool = False):
         payload = self._payload(u)
         out = torch.empty(u.N * payload.numel(), dtype=torch.uint8, device=payload.device)
-        work = comm.all_gather(out, payload, self.mesh.dp, async_op=async_op)
+        work = comm.all_gather(out, payload, u.group, async_op=async_op)
         if async_op:
             return _Gather(u, work, out, partial(self._unpack, u))
         return self._unpack(u, out)
