@@ -93,6 +93,13 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "balance_rate_0": ["--balance", "--rates", "!0"],
         "ep_not_built": ["!--ep"],
     },
+    "bench_moe_cluster.py": {
+        "missing": ["--workdir", "!{binary}/runs"],
+        "wrong_kind": ["--workdir", "!{binary}"],
+        "binary": ["!--experts", "6"],
+        "malformed": ["--rows", "!ep3"],
+        "steps_le_skip": ["!--steps", "2"],
+    },
     "bench_overhead.py": {
         "missing": ["--config", "!{absent}.yaml"],
         "wrong_kind": ["--config", "!{dir}"],
