@@ -11,7 +11,8 @@
   within ``TRACK_RTOL`` (the 3% of the dense FP8 layouts, ``tests/test_fp8_e2e.py``; measured <= 1e-3 here), and
   each expert tensor's step-0 gradient norm within 5% (measured <= 3.4%: FP8 casts of differently split tensors;
   a mean over the expert group instead of DP would be off by the factor ep); the expert units' FP8 bytes on the
-  expert-data-parallel group, 1 a parameter (+ 4 a tensor); at stage 0 no 16-bit copy of the expert weights.
+  expert-data-parallel group, 1 a parameter (+ 4 a tensor); at stage 0 no 16-bit copy of the expert weights; the
+  model-state bytes and what stays between steps as the memory estimator says, byte for byte.
 * An fp8 MoE checkpoint at ep 2 (ZeRO-1) resumes bit for bit, and at one process on the same curve.
 * FP8 tracks bf16 on the MoE model (one process and every layout above) within ``TRACK_RTOL``; with 16-bit GEMMs
   (``fp8.gemm=bf16``) the experts are 16-bit (no FP8 scaling state) and ep 2 is the one-process run too.
@@ -207,9 +208,15 @@ def fp8_worker(overrides: List[str], steps: int, mode: str = "none", ckpt_dir: s
             grads = local_grads(engine)
         if engine.step == save_at:
             ckpt.save(engine.step, engine.step * cfg.train.global_batch_size)
+    from training.memory import held_between_steps, model_state_bytes
+
     experts = [p for n, p in engine.params.items() if ".experts." in n]
     scaling = engine.fp8_scaling
-    return {"losses": losses, "grads": grads,
+    layout, rank = engine.mesh.layout, engine.mesh.rank
+    fp8 = scaling is not None  # (the estimator's FP8 bytes, against the strategy's)
+    return {"losses": losses, "grads": grads, "memory": engine.dp.memory() if fp8 else None,
+            "held": engine.dp.working.now if fp8 else None, "estimated": model_state_bytes(cfg, layout, rank),
+            "held_estimate": held_between_steps(cfg, layout, rank),
             "raw": {f"{kind}/{group}": n for (kind, _, group), n in engine.mesh.ledger.bytes.items()},
             "no_data": [p.untyped_storage().nbytes() <= p.element_size() for p in experts],
             "states": sorted(scaling.states) if scaling is not None else None}
@@ -265,6 +272,10 @@ def test_fp8_layout_equals_one_process(request, layout):
         assert abs(ratio - 1) <= 0.05, f"{name}: gradient norm {ratio:.3f} x the one-process run's"
     if "zero" not in layout:
         assert all(all(r["no_data"]) for r in results)
+    for r in results:  # the estimator knows where every FP8 state byte of the expert units lives
+        for k in ("parameters", "gradients", "optimizer", "fp8_weights"):
+            assert r["memory"][k] == r["estimated"][k], (k, r["memory"], r["estimated"])
+        assert r["held"] == r["held_estimate"], r
 
 
 def test_expert_fp8_bytes_move_over_the_expert_data_parallel_group():
