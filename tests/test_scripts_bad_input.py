@@ -91,6 +91,7 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "steps_0": ["!--steps", "0"],
         "balance_out_is_a_file": ["--balance", "--out", "!{text}"],
         "balance_rate_0": ["--balance", "--rates", "!0"],
+        "balance_heldout_0": ["--balance", "!--heldout", "0"],
         "ep_not_built": ["!--ep"],
     },
     "bench_moe_cluster.py": {
