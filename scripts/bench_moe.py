@@ -42,10 +42,9 @@ Then the final training and validation losses. The bar: every seed's held-out ma
 config's own rate (exit code 1 when missed; the last step's is printed beside it, and a row at another rate is
 reported, not judged). A script, not a test: it takes minutes a run.
 
-**EP rows: not built yet.** The expert-parallel rows of issue 45 -- the all-to-all bytes per step counted by the
-ledger against the formula, and on the emulated two-node cluster (scripts/netemu.py) EP inside a node against EP
-across nodes -- belong here (``--ep``, see ``ep_rows``); until they are written, ``--ep`` is refused (one line,
-exit 2) rather than printing figures nobody measured.
+**Expert parallelism** has rows of its own on the emulated two-node cluster (it needs root): all-to-all bytes
+per step against the formula, EP inside a node against EP across nodes, in scripts/bench_moe_cluster.py;
+``--ep`` here says so (one line, exit 2).
 """
 from __future__ import annotations
 
@@ -280,16 +279,15 @@ def balance(args, cfg) -> int:
     return 1 if failed else 0
 
 
-# ---- EP rows (not built yet) ------------------------------------------------------------------------------------
+# ---- expert parallelism -----------------------------------------------------------------------------------------
 
 
 def ep_rows(args, cfg) -> int:
-    """The place for the expert-parallel rows: all-to-all bytes per step (the ledger's ``all_to_all`` by link)
-    against the dispatch/combine formula, and EP inside a node against EP across nodes on the emulated two-node
-    cluster (scripts/netemu.py, as scripts/bench_cluster.py runs it). Not written yet: refused, not faked."""
+    """The expert-parallel rows live in scripts/bench_moe_cluster.py (several processes on the emulated cluster,
+    root): this script's rows are one process each."""
     raise _cli.InputError("--ep: the expert-parallel rows (all-to-all bytes per step against the formula, EP inside "
-                          "against across nodes on the emulated cluster) are not built yet (scripts/bench_moe.py "
-                          "ep_rows)")
+                          "against across nodes on the emulated cluster) are scripts/bench_moe_cluster.py's (run it "
+                          "as root)")
 
 
 # ---- main -------------------------------------------------------------------------------------------------------
@@ -344,7 +342,7 @@ def main(argv=None) -> int:
                     help="--balance: validation sequences the final model routes for the held-out load (default 128)")
     _seeds.add_argument(ap)
     ap.add_argument("--out", default=None, help="--balance: keep the runs here (default: a temporary directory)")
-    ap.add_argument("--ep", action="store_true", help="the expert-parallel rows (not built yet)")
+    ap.add_argument("--ep", action="store_true", help="the expert-parallel rows: scripts/bench_moe_cluster.py")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every row")
     args = ap.parse_args(argv)
     if args.steps is None:

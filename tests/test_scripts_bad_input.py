@@ -92,7 +92,7 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "balance_out_is_a_file": ["--balance", "--out", "!{text}"],
         "balance_rate_0": ["--balance", "--rates", "!0"],
         "balance_heldout_0": ["--balance", "!--heldout", "0"],
-        "ep_not_built": ["!--ep"],
+        "ep_elsewhere": ["--ep", "?scripts/bench_moe_cluster.py"],
     },
     "bench_moe_cluster.py": {
         "missing": ["--workdir", "!{binary}/runs"],
