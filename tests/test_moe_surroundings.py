@@ -3,6 +3,8 @@ model, a hand formula and torch's FLOP counter; the memory estimator against the
 and its expert-parallel arithmetic; the MoE presets; scripts/bench_moe.py's table on a tiny run."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
 from torch.utils.flop_counter import FlopCounterMode
@@ -17,6 +19,7 @@ from parallel.random import RNGTracker
 from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, tiny_config
 
+ROOT = Path(__file__).resolve().parents[1]
 # 3 layers: layer 0 dense (first_dense=1), layers 1-2 MoE with 4 routed experts of width 32, top-2, one shared
 # expert of width 48 with Qwen2-MoE's gate
 D, V, L, FFN, E, K, FE, FS = 64, 128, 3, 128, 4, 2, 32, 48
@@ -65,9 +68,10 @@ def test_parameter_count_and_flops_by_hand():
 
 def test_dense_twin_has_the_flops_of_the_moe_model_less_its_router():
     """Same active FFN width (top_k x expert width) -> same FLOPs per token but the router's GEMM."""
-    moe = load_config("configs/tiny_moe.yaml").model
-    twin = load_config("configs/tiny_moe.yaml", ["model.moe.num_experts=0",
-                                                  f"model.ffn_hidden={moe.moe.top_k * moe.moe.ffn_hidden}"]).model
+    preset = str(ROOT / "configs" / "tiny_moe.yaml")
+    moe = load_config(preset).model
+    width = moe.moe.top_k * moe.moe.ffn_hidden
+    twin = load_config(preset, ["model.moe.num_experts=0", f"model.ffn_hidden={width}"]).model
     assert flops_per_token(moe) - flops_per_token(twin) == 6 * moe.n_layers * moe.moe.num_experts * moe.d_model
     assert parameter_count(twin)["active"] == parameter_count(twin)["total"]
 
@@ -161,7 +165,7 @@ def test_expert_parallel_estimate_divides_the_experts_and_shards_them_over_their
 def test_estimate_memory_script_counts_the_experts_per_ep_rank(capsys):
     from scripts.estimate_memory import main
 
-    assert main(["--config", "configs/mixtral_8x7b.yaml", "--world", "64"]) == 0
+    assert main(["--config", str(ROOT / "configs" / "mixtral_8x7b.yaml"), "--world", "64"]) == 0
     out = capsys.readouterr().out
     assert "ep 8" in out and "stage 3" in out and "active" in out
 
