@@ -156,15 +156,12 @@ class SafeFileSystemReader(dcp.FileSystemReader):
 
 
 def check_sizes(metadata: Metadata, expected: Dict[str, Sequence[int]], file: Path) -> None:
-    """Every tensor of ``expected`` (name -> global shape this model has) is in the metadata, with that size:
-    CheckpointError naming the first that is not, before anything is allocated or read (a metadata file can claim
-    any size: a re-hashed one claimed 4 TB; a missing tensor was DCP's multi-line "Missing key" error)."""
+    """Every tensor of ``expected`` (name -> global shape this model has) that the metadata holds has that size there:
+    CheckpointError naming the first that has not, before anything is allocated or read (a metadata file can claim
+    any size: a re-hashed one claimed 4 TB)."""
     for key, shape in expected.items():
         md = metadata.state_dict_metadata.get(key)
-        if md is None:
-            raise CheckpointError(f"{file}: tensor {key}, which this model has, is not there (a checkpoint of "
-                                  "another model or of an older version of it, or a damaged one)")
-        if tuple(md.size) != tuple(shape):
+        if md is not None and tuple(md.size) != tuple(shape):
             raise CheckpointError(f"{file}: tensor {key} is {tuple(md.size)} there, this model's is {tuple(shape)} "
                                   "(a checkpoint of another model, or a damaged one)")
 
@@ -175,7 +172,12 @@ def load_dcp(state: Dict[str, torch.Tensor], path: Path, no_dist: bool = False) 
     whose sizes are not theirs, raises its one-line CheckpointError before DCP starts (on every rank: each reads
     the same file)."""
     reader = SafeFileSystemReader(str(path))
-    check_sizes(reader.read_metadata(), {k: tuple(v.shape) for k, v in state.items()}, Path(path) / ".metadata")
+    metadata, file = reader.read_metadata(), Path(path) / ".metadata"
+    missing = [key for key in state if key not in metadata.state_dict_metadata]
+    if missing:  # (DCP's own "Missing key" error is a multi-line RuntimeError)
+        raise CheckpointError(f"{file}: tensor {missing[0]}, which this model has, is not there (a checkpoint of "
+                              "another model or of an older version of it, or a damaged one)")
+    check_sizes(metadata, {k: tuple(v.shape) for k, v in state.items()}, file)
     dcp.load(state, storage_reader=reader, no_dist=no_dist)
 
 
