@@ -86,9 +86,14 @@ def twin_overrides(cfg) -> List[str]:
     return ["model.moe.num_experts=0", f"model.ffn_hidden={width}"]
 
 
-def throughput_worker(config: str, overrides: List[str], grouped: Optional[bool], warmup: int, steps: int):
-    """One row on a world of one process: step times on the config's training data after ``warmup`` steps."""
+def throughput_worker(config: str, overrides: List[str], grouped: Optional[bool], warmup: int, steps: int,
+                      threads: int):
+    """One row on a world of one process: step times on the config's training data after ``warmup`` steps, with
+    ``threads`` CPU threads (train.py's: the test harness's ranks run one each)."""
     os.chdir(ROOT)  # the config's data paths are relative to the repository root
+    import torch
+
+    torch.set_num_threads(threads)
     from config import load_config
     from model.moe import Experts
     from tests.parallel_utils import build_engine
@@ -136,7 +141,7 @@ def throughput(args, cfg) -> int:
     results: Dict[str, dict] = {}
     for name, overrides, grouped in rows:
         out = run_world(throughput_worker, 1, args.config, overrides, grouped, args.warmup, args.steps,
-                        timeout=3600)[0]
+                        torch.get_num_threads(), timeout=3600)[0]
         row_cfg = load_config(args.config, overrides).model
         step_s = statistics.median(out["times"])
         results[name] = {**out, "step_s": step_s, "tok_s": tokens / step_s, "params": parameter_count(row_cfg),
