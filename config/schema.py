@@ -172,6 +172,15 @@ class ParallelConfig:
     ranks splits every MoE layer's routed experts (model.moe.num_experts / ep each) and exchanges tokens with
     all-to-alls; must divide the data-parallel size. Expert gradients are summed over the dp / ep ranks holding
     the same experts (the expert-data-parallel group). 1 = every rank holds every expert."""
+    cp: int = 1
+    """Context-parallel size (Megatron's context_parallel_size): each sequence is cut into 2 x cp chunks and every
+    rank of a CP group holds two of them (chunks r and 2cp - 1 - r: causal attention's work balanced), so
+    activations per rank fall as 1 / cp. World = pp x dp x cp x tp: the cp ranks of a group are consecutive after
+    the TP ones (inside a node when tp x cp <= ranks_per_node). Parameters are replicated over CP as over DP:
+    gradients, ZeRO shards and FP8 scales span the dp x cp ranks. model.seq_len must be divisible by 2 x cp."""
+    cp_comm: str = "p2p"
+    """How attention sees the other CP ranks' keys and values: p2p (ring attention: K/V blocks passed around the CP
+    ring, overlapped with the attention of the block in hand) | all_gather (Llama 3's: gather K/V, attend locally)."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; default from the launcher (LOCAL_WORLD_SIZE / SLURM). Lets one machine simulate nodes."""
     bucket_mb: float = 25.0
@@ -462,6 +471,7 @@ CHOICES = {
     "train.muon.adjust_lr": MUON_ADJUST_LR,
     "device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
+    "parallel.cp_comm": ("p2p", "all_gather"),
     "zero.partition": ("flat", "whole_tensor"),
     "zero.reduce_dtype": ("compute", "fp32"),
     "checkpoint.on_data_change": ("error", "warn"),

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 
+from config.context import validate_context
 from config.moe import validate_moe
 from config.optimizer import validate_optimizer
 from config.schema import (CHOICES, HF_FAMILIES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_D_MODEL, MAX_EVAL_ITERS,
@@ -162,6 +163,7 @@ def validate_config(cfg: Config) -> None:
          f"zero.quantized_gradients (nothing is quantized)")
     validate_optimizer(cfg, need)
     validate_moe(cfg, need)
+    validate_context(cfg, need)
     f = cfg.fp8
     within("fp8.amax_history_len", 1, MAX_AMAX_HISTORY, "config.MAX_AMAX_HISTORY steps")
     within("fp8.margin", 0, MAX_FP8_MARGIN, "config.MAX_FP8_MARGIN: a larger one flushes every value to zero")

@@ -1,0 +1,26 @@
+"""Context parallelism's config checks (parallel.cp, parallel.cp_comm): what a config alone can refuse.
+
+The checks that need the launch (cp dividing the world, the sequence-parallel split of each rank's chunks) are in
+``parallel/layout.py make_layout``.
+"""
+from __future__ import annotations
+
+from typing import Callable
+
+from config.schema import Config
+
+
+def validate_context(cfg: Config, need: Callable[[bool, str], None]) -> None:
+    cp, m = cfg.parallel.cp, cfg.model
+    need(cp >= 1, f"parallel.cp={cp} must be >= 1")
+    if cp <= 1:
+        return
+    need(m.seq_len % (2 * cp) == 0,
+         f"model.seq_len={m.seq_len} is not divisible by 2 x parallel.cp = {2 * cp} (context parallelism cuts each "
+         f"sequence into 2 x cp chunks, two per rank)")
+    need(m.attention_dropout == 0.0,
+         f"model.attention_dropout={m.attention_dropout} with parallel.cp={cp} is not built (ring attention has no "
+         "dropout): set model.attention_dropout=0")
+    need(m.moe.num_experts == 0,
+         f"model.moe.num_experts={m.moe.num_experts} with parallel.cp={cp} is not built (the balancing losses' "
+         "per-sequence counts do not span CP ranks yet): use parallel.cp=1 with mixture-of-experts models")
