@@ -1,8 +1,15 @@
-"""The parallel layout as plain arithmetic: world = PP x DP x TP, with node topology.
+"""The parallel layout as plain arithmetic: world = PP x DP x CP x TP, with node topology.
 
-Rank order (SPEC §1): TP innermost (adjacent ranks, same node), PP outermost::
+Rank order (SPEC §1; Megatron-Core's tp-cp-dp-pp): TP innermost (adjacent ranks, same node), then CP, then DP, PP
+outermost::
 
-    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank
+    rank = pp_rank * (dp * tp) + dp_rank * tp + tp_rank,    dp_rank = batch_rank * cp + cp_rank
+
+Context-parallel ranks hold the same parameters as data-parallel ones, so for everything about parameters they
+*are* data-parallel ranks: ``dp`` / ``dp_rank`` / ``dp_ranks`` count the dp x cp ranks of a replica group
+(Megatron's "data-parallel group with context parallelism"): gradients are summed, ZeRO shards cut and FP8 scales
+reduced over them. Only the data and attention tell them apart: the ``cp`` consecutive members of a DP group
+(``cp_ranks``) read the same samples (``batch_rank``) and split each sequence between them.
 
 ``make_layout`` checks every number against every other before a process group
 exists, so an impossible layout stops identically on all ranks with a message
@@ -28,6 +35,9 @@ class Layout:
     sequence_parallel: bool
     num_microbatches: int
     """Micro-batches per optimizer step on each data-parallel rank."""
+    cp: int = 1
+    """Context-parallel size: runs of cp consecutive DP ranks (``cp_ranks``) split each sequence; ``dp`` counts them
+    (dp = batch shards x cp)."""
     ep: int = 1
     """Expert-parallel size: runs of ep consecutive DP ranks split the routed experts (``ep_ranks``); the DP ranks
     holding the same experts, one per run, are the expert-data-parallel group (``edp_ranks``)."""
@@ -53,6 +63,24 @@ class Layout:
     def pp_ranks(self, rank: int) -> List[int]:
         _, d, t = self.coords(rank)
         return [self.rank_of(p, d, t) for p in range(self.pp)]
+
+    @property
+    def batch_shards(self) -> int:
+        """Ranks of a DP group reading distinct samples (dp / cp): the data-parallel size of the batch arithmetic."""
+        return self.dp // self.cp
+
+    def batch_rank(self, rank: int) -> int:
+        """Which of the batch_shards sample slices this rank reads."""
+        return self.coords(rank)[1] // self.cp
+
+    def cp_rank(self, rank: int) -> int:
+        return self.coords(rank)[1] % self.cp
+
+    def cp_ranks(self, rank: int) -> List[int]:
+        """The cp consecutive DP peers (this rank among them) that split the same sequences."""
+        peers = self.dp_ranks(rank)
+        at = peers.index(rank) // self.cp * self.cp
+        return peers[at:at + self.cp]
 
     def ep_ranks(self, rank: int) -> List[int]:
         """The ep consecutive DP peers (this rank among them) that split the routed experts."""
@@ -99,11 +127,20 @@ class Layout:
         return self.dp // self.dp_intra_size
 
     def describe(self) -> str:
-        return (f"world={self.world_size} = pp {self.pp} x dp {self.dp} x tp {self.tp}"
+        dp = f"dp {self.batch_shards} x cp {self.cp}" if self.cp > 1 else f"dp {self.dp}"
+        return (f"world={self.world_size} = pp {self.pp} x {dp} x tp {self.tp}"
                 + (f" (ep {self.ep} of the dp ranks)" if self.ep > 1 else "")
                 + f" (virtual_stages={self.virtual_stages}, sequence_parallel={self.sequence_parallel},"
                 f" ranks_per_node={self.ranks_per_node}, dp_intra={self.dp_intra_size},"
                 f" dp_inter={self.dp_inter_size}, microbatches={self.num_microbatches})")
+
+
+def cp_spans(seq_len: int, cp: int, cp_rank: int) -> List[Tuple[int, int]]:
+    """The token ranges ``[lo, hi)`` of a sequence that context-parallel rank ``cp_rank`` holds, in its local order:
+    of the sequence cut into 2 x cp chunks, chunks cp_rank and 2 cp - 1 - cp_rank (Megatron-Core's
+    get_batch_on_this_cp_rank), so that under the causal mask every rank does the same attention work."""
+    size = seq_len // (2 * cp)
+    return [(c * size, (c + 1) * size) for c in (cp_rank, 2 * cp - 1 - cp_rank)]
 
 
 def kv_replicas(kv_heads: int, tp: int) -> int:
@@ -120,11 +157,15 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
         if not ok:
             errors.append(msg)
 
-    tp, pp, vp = par.tp, par.pp, par.virtual_stages
+    tp, pp, vp, cp = par.tp, par.pp, par.virtual_stages, max(par.cp, 1)
     rpn = par.ranks_per_node if par.ranks_per_node is not None else launcher_ranks_per_node
-    need(world_size % (tp * pp) == 0,
-         f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp} = {tp * pp}")
-    dp = max(world_size // (tp * pp), 1)
+    if cp == 1:
+        need(world_size % (tp * pp) == 0,
+             f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp} = {tp * pp}")
+    else:
+        need(world_size % (tp * pp * cp) == 0, f"world size {world_size} is not divisible by parallel.tp={tp} x "
+                                               f"parallel.pp={pp} x parallel.cp={cp} = {tp * pp * cp}")
+    dp = max(world_size // (tp * pp * cp), 1) * cp  # the replica group: batch shards x cp
     need(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
     kv = m.kv_heads
     need(kv < 1 or kv % tp == 0 or tp % kv == 0,
@@ -136,17 +177,22 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
     need(m.n_layers % (pp * vp) == 0,
          f"model.n_layers={m.n_layers} is not divisible by parallel.pp={pp} x parallel.virtual_stages={vp}"
          f" = {pp * vp} (every model chunk must hold the same number of layers)")
-    if par.sequence_parallel:
+    if par.sequence_parallel and cp == 1:
         need(m.seq_len % tp == 0,
              f"model.seq_len={m.seq_len} is not divisible by parallel.tp={tp} (sequence parallelism splits it)")
-    per_step = t.micro_batch_size * dp
+    elif par.sequence_parallel and tp > 1:
+        need(m.seq_len % (2 * cp) == 0 and m.seq_len // cp % tp == 0,
+             f"each rank's {m.seq_len / cp:g} tokens (model.seq_len={m.seq_len} / parallel.cp={cp}) are not "
+             f"divisible by parallel.tp={tp} (sequence parallelism splits them)")
+    shards = dp // cp
+    per_step = t.micro_batch_size * shards
     need(t.global_batch_size % per_step == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by train.micro_batch_size="
-         f"{t.micro_batch_size} x data-parallel size {dp} = {per_step}")
+         f"{t.micro_batch_size} x data-parallel size {shards} = {per_step}")
     num_mb = max(t.global_batch_size // per_step, 1)
     if pp > 1:
         need(num_mb >= pp, f"{num_mb} micro-batches per step (global_batch_size={t.global_batch_size} / "
-                           f"(micro_batch_size={t.micro_batch_size} x dp={dp})) is fewer than parallel.pp={pp} "
+                           f"(micro_batch_size={t.micro_batch_size} x dp={shards})) is fewer than parallel.pp={pp} "
                            "pipeline stages")
     if vp > 1:
         need(num_mb % pp == 0, f"the interleaved schedule needs micro-batches per step ({num_mb}) divisible by "
@@ -168,7 +214,7 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
     if errors:
         raise ConfigError("impossible parallel layout:\n  - " + "\n  - ".join(errors))
     layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=rpn,
-                    sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb, ep=ep)
+                    sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb, ep=ep, cp=cp)
     sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}
     if len(sizes) != 1:
         raise ConfigError(f"impossible parallel layout: data-parallel peers are spread unevenly over nodes "

@@ -5,7 +5,9 @@ Groups (each a ``comm.Group`` sharing one byte ledger):
   world      all ranks
   tp         tensor-parallel peers (adjacent ranks, one node)
   pp         pipeline stages of this (dp, tp) coordinate
-  dp         data-parallel replicas of this (pp, tp) coordinate
+  dp         data-parallel replicas of this (pp, tp) coordinate: dp x cp ranks (context-parallel ranks hold the
+             same parameters: parallel/layout.py)
+  cp         context-parallel peers: the cp consecutive DP members splitting the same sequences
   dp_intra   DP peers on this node (size X)             -- ZeRO++ hpZ / qgZ step 2
   dp_inter   DP peers with the same intra index (size Y) -- ZeRO++ qgZ step 4
   embedding  first + last pipeline stage (tied embeddings)
@@ -67,6 +69,7 @@ class Mesh:
         self.timeout = default_timeout(device)  # of every group, as of world (parallel.timeout_s)
         self.pp_rank, self.dp_rank, self.tp_rank = layout.coords(self.rank)
         self.ep_rank, self.edp_rank = self.dp_rank % layout.ep, self.dp_rank // layout.ep
+        self.cp_rank, self.batch_rank = self.dp_rank % layout.cp, self.dp_rank // layout.cp
         options = {dim: _pg_options(device, self.timeout) for dim in ("pp", "dp", "tp")}
         self.device_mesh: DeviceMesh = init_device_mesh(
             device.type, (layout.pp, layout.dp, layout.tp), mesh_dim_names=("pp", "dp", "tp"),
@@ -87,6 +90,7 @@ class Mesh:
         # (with ep = 1: this rank alone, and the DP group itself)
         self.ep = self._new_groups("ep", layout.ep_ranks) if layout.ep > 1 else self._group("ep", [self.rank], None)
         self.edp = self._new_groups("edp", layout.edp_ranks) if layout.ep > 1 else self.dp
+        self.cp = self._new_groups("cp", layout.cp_ranks) if layout.cp > 1 else self._group("cp", [self.rank], None)
         self.embedding = self._new_groups("embedding", layout.embedding_ranks)
         self.mp = self._new_groups("mp", layout.model_parallel_ranks)
         self._hpz: Dict[int, Group] = {}
@@ -176,9 +180,9 @@ class Mesh:
         return self.device_mesh["dp", "tp"]
 
     def groups(self) -> Dict[str, Group]:
-        return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter, self.ep,
-                                    self.edp, self.embedding, self.mp, *self._hpz.values(), *(self._gather or ()),
-                                    *self._tp_kv.values())}
+        return {g.name: g for g in (self.world, self.tp, self.pp, self.dp, self.dp_intra, self.dp_inter, self.cp,
+                                    self.ep, self.edp, self.embedding, self.mp, *self._hpz.values(),
+                                    *(self._gather or ()), *self._tp_kv.values())}
 
     def __repr__(self) -> str:
         return (f"Mesh(rank={self.rank}, pp={self.pp_rank}/{self.layout.pp}, dp={self.dp_rank}/{self.layout.dp}, "
