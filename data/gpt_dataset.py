@@ -61,9 +61,10 @@ _BLOCKS_CACHED = 4
 
 
 class Sampleable(Protocol):
-    """Anything that maps a global sample index to ``seq_len + 1`` token ids."""
+    """Anything that maps a global sample index to ``seq_len + 1`` token ids, or to those in ``[lo, hi)`` of them
+    (context parallelism reads only its chunks of each sequence)."""
 
-    def sample(self, index: int) -> np.ndarray: ...
+    def sample(self, index: int, lo: int = 0, hi: int | None = None) -> np.ndarray: ...
 
 
 @dataclass(frozen=True)
@@ -124,14 +125,19 @@ class GPTDataset:
             self._epochs.popitem(last=False)
         return self._epochs[epoch]
 
-    def sample(self, index: int) -> np.ndarray:
-        """The ``index``-th sample (``epoch * samples_per_epoch + i``) as int64 ids."""
+    def sample(self, index: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The ``index``-th sample (``epoch * samples_per_epoch + i``) as int64 ids: its tokens ``[lo, hi)`` of
+        ``seq_len + 1`` (default all); only those are read."""
         if index < 0:
             raise IndexError(f"dataset {self.name!r}: negative sample index {index}")
+        hi = self.seq_len + 1 if hi is None else hi
+        if not 0 <= lo < hi <= self.seq_len + 1:
+            raise IndexError(f"dataset {self.name!r}: token window [{lo}, {hi}) is not inside the "
+                             f"{self.seq_len + 1} tokens of a sample")
         epoch, i = divmod(index, self.samples_per_epoch)
         ep = self._epoch(epoch)
-        start = int(ep.order[i]) * self.seq_len
-        end = start + self.seq_len + 1
+        start = int(ep.order[i]) * self.seq_len + lo
+        end = start + hi - lo
         first = int(np.searchsorted(ep.starts, start, side="right")) - 1
         last = int(np.searchsorted(ep.starts, end, side="left"))
         pieces = []
@@ -204,13 +210,13 @@ class BlendedDataset:
             self._blocks.popitem(last=False)
         return self._blocks[block]
 
-    def sample(self, index: int) -> np.ndarray:
-        """The ``index``-th sample of the blend."""
+    def sample(self, index: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        """The ``index``-th sample of the blend (its tokens ``[lo, hi)``, default all)."""
         if index < 0:
             raise IndexError(f"negative sample index {index}")
         sources, locals_ = self._block(index // _BLOCK)
         k = int(sources[index % _BLOCK])
-        return self.datasets[k].sample(int(locals_[index % _BLOCK]))
+        return self.datasets[k].sample(int(locals_[index % _BLOCK]), lo, hi)
 
 
 def split_documents(num_docs: int, split: Sequence[float]) -> tuple[np.ndarray, np.ndarray]:
@@ -322,7 +328,15 @@ def build_datasets(
     return stream(0, "train"), stream(1, "valid") if float(split[1]) > 0 else None
 
 
-def get_batch(dataset: Sampleable, indices: Sequence[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """``(tokens, labels)``, both int64 ``[len(indices), seq_len]``, for the given samples."""
-    samples = torch.from_numpy(np.stack([dataset.sample(int(i)) for i in indices]))
-    return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+def get_batch(dataset: Sampleable, indices: Sequence[int],
+              spans: Sequence[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(tokens, labels)``, both int64 ``[len(indices), seq_len]``, for the given samples; with ``spans`` (token
+    ranges ``[lo, hi)`` of a sequence, as context parallelism's chunks) only those positions, concatenated in that
+    order: ``[len(indices), sum of hi - lo]``, each span's tokens and their next tokens read as one window."""
+    if spans is None:
+        samples = torch.from_numpy(np.stack([dataset.sample(int(i)) for i in indices]))
+        return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()
+    windows = [[torch.from_numpy(dataset.sample(int(i), lo, hi + 1)) for lo, hi in spans] for i in indices]
+    tokens = torch.stack([torch.cat([w[:-1] for w in row]) for row in windows])
+    labels = torch.stack([torch.cat([w[1:] for w in row]) for row in windows])
+    return tokens, labels

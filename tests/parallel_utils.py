@@ -42,8 +42,8 @@ class SyntheticData:
     def __init__(self, seq_len: int, vocab: int):
         self.seq_len, self.vocab = seq_len, vocab
 
-    def sample(self, index: int):
-        return synthetic_sample(index, self.seq_len, self.vocab).numpy()
+    def sample(self, index: int, lo: int = 0, hi=None):
+        return synthetic_sample(index, self.seq_len, self.vocab).numpy()[lo:hi]
 
 
 def batch_fn(engine: Engine, step: int):

@@ -176,8 +176,8 @@ class Recorder:
     def __init__(self, k: int) -> None:
         self.k = k
 
-    def sample(self, index: int) -> np.ndarray:
-        return np.array([self.k, index])
+    def sample(self, index: int, lo: int = 0, hi: int | None = None) -> np.ndarray:
+        return np.array([self.k, index])[lo:hi]
 
 
 def reference_position(weights: list[float], k: int, n: int) -> int:

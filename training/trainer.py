@@ -31,7 +31,7 @@ from model.compile import recompiles
 from model.flops import flops_per_token, parameter_count
 from parallel import comm
 from parallel.launch import LaunchError, init_distributed, pick_device, read_launch_env
-from parallel.layout import make_layout
+from parallel.layout import cp_spans, make_layout
 from parallel.mesh import Mesh
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
 from training.engine import Engine
@@ -60,12 +60,14 @@ def check_data(cfg: Config, seed_names: Optional[List[str]] = None) -> Tuple[Sam
 
 
 def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> Callable[[int], tuple]:
-    """Micro-batch m of this DP rank, for the global batch starting at ``first_sample``."""
-    micro = cfg.train.micro_batch_size
-    base = first_sample + mesh.dp_rank * (cfg.train.global_batch_size // mesh.layout.dp)
+    """Micro-batch m of this DP rank, for the global batch starting at ``first_sample``; under context parallelism
+    only this rank's two chunks of each sequence (``parallel/context.py``), read as such."""
+    micro, layout = cfg.train.micro_batch_size, mesh.layout
+    base = first_sample + mesh.batch_rank * (cfg.train.global_batch_size // layout.batch_shards)
+    spans = cp_spans(cfg.model.seq_len, layout.cp, mesh.cp_rank) if layout.cp > 1 else None
 
     def get(mb: int):
-        tokens, labels = get_batch(ds, range(base + mb * micro, base + (mb + 1) * micro))
+        tokens, labels = get_batch(ds, range(base + mb * micro, base + (mb + 1) * micro), spans)
         return tokens.to(mesh.device, non_blocking=True), labels.to(mesh.device, non_blocking=True)
 
     return get
