@@ -17,7 +17,9 @@ from torch import nn
 from torch.utils.checkpoint import checkpoint
 
 from parallel.comm import Group
+from parallel.context import ContextParallel, context_attention
 from parallel.cpu_gemm import attention
+from parallel.layout import cp_spans
 from parallel.random import RNGTracker
 from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, RowParallelLinear, new_param,
                                       scaled_init_std)
@@ -55,6 +57,9 @@ class TPContext:
     ep: Optional[Group] = None
     """Expert parallelism: the DP ranks that split the routed experts (``Mesh.ep``); None or one rank = every
     expert here."""
+    cp: Optional[ContextParallel] = None
+    """Context parallelism: the ranks splitting each sequence (``parallel/context.py``); this rank's tokens are two
+    chunks of it (``parallel/layout.py cp_spans``). None = whole sequences here."""
 
 
 class Norm(nn.Module):
@@ -108,11 +113,14 @@ def rope_frequencies(cfg: ModelConfig) -> torch.Tensor:
 
 
 class Rotary(nn.Module):
-    """Rotary position embedding (rotate-half form) for ``[s, b, heads, head_dim]``."""
+    """Rotary position embedding (rotate-half form) for ``[s, b, heads, head_dim]``. ``positions``: the global
+    positions of the local tokens (context parallelism's two chunks); default 0, 1, ... max_positions - 1."""
 
-    def __init__(self, cfg: ModelConfig):
+    def __init__(self, cfg: ModelConfig, positions: Optional[torch.Tensor] = None):
         super().__init__()
-        angles = torch.outer(torch.arange(cfg.max_positions, dtype=torch.float64), rope_frequencies(cfg))
+        if positions is None:
+            positions = torch.arange(cfg.max_positions)
+        angles = torch.outer(positions.to(torch.float64), rope_frequencies(cfg))
         angles = torch.cat([angles, angles], dim=-1)  # [s, head_dim]
         self.register_buffer("cos", angles.cos().float()[:, None, None, :], persistent=False)
         self.register_buffer("sin", angles.sin().float()[:, None, None, :], persistent=False)
@@ -122,6 +130,11 @@ class Rotary(nn.Module):
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
         return (x * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
+
+
+def cp_positions(seq_len: int, cp: ContextParallel) -> torch.Tensor:
+    """The global positions of a context-parallel rank's tokens, in its local order (RoPE's angles)."""
+    return torch.cat([torch.arange(lo, hi) for lo, hi in cp_spans(seq_len, cp.group.size, cp.group.rank)])
 
 
 class Attention(nn.Module):
@@ -157,7 +170,7 @@ class Attention(nn.Module):
             self.qkv = qkv
         self.proj = RowParallelLinear(cfg.q_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
                                       std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
-        self.rotary = Rotary(cfg)
+        self.rotary = Rotary(cfg, cp_positions(cfg.seq_len, ctx.cp) if ctx.cp is not None else None)
         self.qk_norm, self.eps = cfg.qk_norm, cfg.norm_eps
         if cfg.qk_norm:
             # each TP rank normalises only its own heads, so with tp > 1 (sequence parallel or not) these weights'
@@ -180,7 +193,9 @@ class Attention(nn.Module):
         q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads
         p = self.dropout if self.training else 0.0
-        if p > 0:  # the per-TP-rank stream (its swap is not traceable: see forked)
+        if self.ctx.cp is not None:  # the sequence's other chunks live on the other CP ranks (no dropout: config)
+            o = context_attention(q, k, v, self.ctx.cp)
+        elif p > 0:  # the per-TP-rank stream (its swap is not traceable: see forked)
             o = forked(self.ctx.rng, attention, q, k, v, is_causal=True, dropout_p=p, **gqa)
         else:
             o = attention(q, k, v, is_causal=True, **gqa)

@@ -6,7 +6,7 @@ its own layer or below, and the graph has no cycles):
   config/, kernels/, data/         schema and validation; quantization kernels; tokenizers and datasets
   parallel/ primitives              launch, layout, mesh, comm, random, schedule, pipeline
   fp8/ numerics                     formats, scaling, FP8 linear, FP8 gradient communication, FP8 AdamW
-  parallel/ layers                  tensor_parallel, cross_entropy, optim_rules, cpu_gemm, expert_parallel
+  parallel/ layers                  tensor_parallel, cross_entropy, optim_rules, cpu_gemm, expert_parallel, context
   model/                            the GPT built from those layers
   parallel/ strategies, accounting  data_parallel (stage 0), zero/ (1-3, ZeRO++), fp8/zero.py, volume
   training/                         engine, loop, checkpoints, metrics, memory estimate
@@ -16,7 +16,7 @@ What lives here:
 
   primitives (import config/ and each other only)
     launch.py          the launcher's environment (torchrun, srun), process-group init, device choice
-    layout.py          world = PP x DP x TP, simulated nodes, dp_intra / dp_inter; validated against config
+    layout.py          world = PP x DP x CP x TP, simulated nodes, dp_intra / dp_inter, CP chunks; validated
     mesh.py            the one mesh object: every process group, built once, with the configured timeout
     comm.py            the one door: every collective and p2p, byte ledger by kind / link / group, timeouts
     random.py          seeds derived from names; the TP/SP RNG tracker
@@ -28,6 +28,7 @@ What lives here:
     optim_rules.py     what every data-parallel strategy shares: compute dtypes, AdamW, norm ownership, clipping
     cpu_gemm.py        16-bit linears and attention in fp32 on CPUs without bf16/fp16 instructions (50x there)
     expert_parallel.py expert parallelism's token exchange: the dispatch and combine all-to-alls of MoE layers
+    context.py         context parallelism's attention: ring (p2p) and all-gather forms, log-sum-exp merge
   strategies and accounting (may also import model/: units, tied embeddings and parameter counts need shapes)
     data_parallel.py   ZeRO stage 0: bucketed all-reduce overlapped with the last backward
     zero/              ZeRO stages 1-3 and ZeRO++ (see parallel/zero/__init__.py)

@@ -29,9 +29,9 @@ LAYERS: List[Tuple[str, List[str]]] = [
      ["fp8.format", "fp8.segments", "fp8.scaling", "fp8.linear", "fp8.experts", "fp8.grad_comm", "fp8.adam",
       "fp8.device"]),
     ("parallel layers and shared gradient rules: TP/SP linears, vocab-parallel cross entropy, optimizer rules, "
-     "16-bit CPU GEMMs, the MoE token exchange",
+     "16-bit CPU GEMMs, the MoE token exchange, context-parallel attention",
      ["parallel.tensor_parallel", "parallel.cross_entropy", "parallel.optim_rules", "parallel.cpu_gemm",
-      "parallel.expert_parallel", "optimizers"]),
+      "parallel.expert_parallel", "parallel.context", "optimizers"]),
     ("model: the GPT from parallel-aware layers, its FLOPs, Hugging Face mapping", ["model"]),
     ("data-parallel strategies and accounting: stage 0, ZeRO 1-3 and ZeRO++, FP8-LM's ZeRO, analytic bytes",
      ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint",

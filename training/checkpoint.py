@@ -192,8 +192,8 @@ class Checkpointer:
 
     def _layout(self) -> Dict[str, int]:
         layout = self.mesh.layout
-        return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.dp,
-                "virtual_stages": layout.virtual_stages}
+        return {"world_size": layout.world_size, "tp": layout.tp, "pp": layout.pp, "dp": layout.batch_shards,
+                "cp": layout.cp, "virtual_stages": layout.virtual_stages}
 
     def _meta(self, step: int, consumed_samples: int) -> Dict[str, Any]:
         return {"format": FORMAT_VERSION, "step": step, "consumed_samples": consumed_samples,

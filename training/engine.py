@@ -27,6 +27,7 @@ from model.compile import compile_chunks, enabled as compile_enabled
 from model.gpt import build_chunks, named_parameters
 from model.layers import TPContext
 from parallel import comm
+from parallel.context import ContextParallel
 from parallel.data_parallel import DataParallel
 from parallel.layout import kv_replicas
 from parallel.mesh import Mesh
@@ -57,7 +58,8 @@ class Engine:
         # FP8 linears where their operands are cast to FP8; with 16-bit GEMMs the linears are the 16-bit ones
         quantized = fp8 and fp8_operands(cfg.fp8)
         ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if quantized else None,
-                        kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None, ep=mesh.ep)
+                        kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None, ep=mesh.ep,
+                        cp=ContextParallel(mesh.cp, cfg.parallel.cp_comm) if layout.cp > 1 else None)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
@@ -83,7 +85,8 @@ class Engine:
         else:
             self.dp = ZeroDataParallel(cfg, mesh, self.chunks, {p: n for n, p in self.params.items()})
         self.moe = MoeTracker(cfg, mesh, self.chunks)
-        seq = m.seq_len // layout.tp if mesh.sequence_parallel else m.seq_len
+        seq = m.seq_len // layout.cp  # a rank's two chunks of each sequence under context parallelism
+        seq = seq // layout.tp if mesh.sequence_parallel else seq
         self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
         self.lr_schedule = LRSchedule(cfg.train)
         self.compute_dtype = COMPUTE_DTYPES[compute_precision(cfg)]
