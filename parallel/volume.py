@@ -19,6 +19,17 @@ sum of sequence-parallel norm/bias gradients over TP. Grouped-query attention
 with fewer KV heads than TP ranks adds, per layer and micro-batch, the all-reduce
 of the replicated K/V weight gradient over its holders (group ``tp_kv``).
 
+CP (context parallelism: each rank holds s / cp tokens of every sequence, so ``a`` above counts s / cp): per
+layer and micro-batch, with n = b x local KV heads x (s / cp) x head_dim the elements of this rank's K (and of V),
+e the compute dtype's bytes (bf16 under fp8: attention stays 16-bit) and fp32 gradient accumulators,
+``parallel/context.py``'s exchanges over the ``cp`` group:
+
+  p2p          forward (cp-1) hops of K and V: (cp-1) 2n e; backward the same hops with dK/dV: (cp-1) 2n (e + 4)
+  all_gather   forward gather of K and V: (cp-1) 2n e; backward gathered again, (cp-1) 2n e, and dK/dV
+               reduce-scattered in fp32, (cp-1) 2n 4
+
+and recomputation (full or selective) runs the forward's exchange once more.
+
 PP: every forward that feeds a later virtual stage sends ``a / t`` (SP) or ``a``
 bytes; every backward that feeds an earlier one sends the same. DP: the gradient
 buckets, ``2 (d-1)/d * 4 * parameters``. Tied embeddings add one all-reduce of
@@ -66,7 +77,8 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
                          "expert exchanges and their gradient groups depend on the routing (the ledger counts them)")
     m, t = cfg.model, layout.tp
     e = DTYPE_BYTES[cfg.precision]
-    s, b, h = m.seq_len, cfg.train.micro_batch_size, m.d_model
+    cp = layout.cp
+    s, b, h = m.seq_len // cp, cfg.train.micro_batch_size, m.d_model  # this rank's tokens of each sequence
     a = s * b * h * e
     mb = layout.num_microbatches
     pp_rank, _, _ = layout.coords(rank)
@@ -109,6 +121,9 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
             elems = (layers * (2 * norm + (2 * h if m.bias else 0)) + (norm if last_v in stages else 0)) if sp else 0
             out["tp"] += _ring(t) * 4 * (elems + layers * qk)
 
+    if cp > 1:
+        out["cp"] += mb * layers * _context_bytes(cfg, layout, s * b)
+
     act = a // t if sp else a
     for action in train_schedule(pp, vp, mb, pp_rank):
         out["pp"] += act * len(sends(action, pp, vp, pp_rank))
@@ -130,6 +145,17 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
     norm_terms = 3 if fp8 else 1
     out["world"] += _ring(layout.world_size) * 8 * (1 + norm_terms + stop_flags)
     return dict(out)
+
+
+def _context_bytes(cfg: Config, layout: Layout, tokens: int) -> float:
+    """One attention layer's context-parallel bytes per micro-batch of ``tokens`` local tokens (module docstring)."""
+    m, cp, t = cfg.model, layout.cp, layout.tp
+    n = tokens * m.kv_heads * kv_replicas(m.kv_heads, t) // t * m.head_dim  # local K (or V) elements
+    e = DTYPE_BYTES[cfg.precision]
+    forward = (cp - 1) * 2 * n * e
+    backward = (cp - 1) * 2 * n * (e + 4)  # the same bytes in both forms: K/V again, and dK/dV in fp32
+    recompute = forward if m.activation_checkpointing in ("full", "selective") else 0
+    return forward + backward + recompute
 
 
 def zero_step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = False,

@@ -15,6 +15,14 @@ CASES = {
     "tp2_pp2_sp_tied_dp2": (8, ["parallel.tp=2", "parallel.pp=2", "parallel.sequence_parallel=true",
                                 "model.tie_embeddings=true", "model.bias=true", "model.norm=layernorm",
                                 "model.activation_checkpointing=selective"]),
+    # context parallelism (seq 120: chunks of 15 at cp 4): the ring's hops, the all-gather form's gathers and
+    # reduce-scatters, their repeat under recomputation, GQA's KV heads only
+    "cp4_p2p_gqa_bf16": (4, ["parallel.cp=4", "model.seq_len=120", "model.n_kv_heads=2", "precision=bf16"]),
+    "cp2_all_gather_tp2_sp_selective": (4, ["parallel.cp=2", "parallel.cp_comm=all_gather", "model.seq_len=120",
+                                            "parallel.tp=2", "parallel.sequence_parallel=true",
+                                            "model.activation_checkpointing=selective"]),
+    "cp2_pp2_full_recompute": (4, ["parallel.cp=2", "parallel.pp=2", "model.seq_len=120",
+                                   "model.activation_checkpointing=full"]),
 }
 
 
@@ -47,4 +55,6 @@ def test_counted_bytes_equal_analytic(name):
     world, overrides = CASES[name]
     out = run_world(train_worker, world, overrides, 1)
     assert_counted_equals_analytic(out, overrides, world)
-    assert out[0]["comm"]["by_group"]["tp" if "parallel.tp=2" in overrides else "pp"] > 0
+    busy = ["tp" if "parallel.tp=2" in overrides else "pp" if "parallel.pp" in str(overrides) else "cp"]
+    busy += ["cp"] if "parallel.cp" in str(overrides) else []
+    assert all(out[0]["comm"]["by_group"][group] > 0 for group in busy), busy
