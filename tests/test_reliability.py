@@ -18,7 +18,8 @@ import pytest
 
 import train
 from tests.test_failures import SAMPLE, _digests, fails_with
-from tests.test_train_e2e import FAST, ROOT, _wait_for_step, losses_by_step, records, run_train, train_cmd
+from tests.test_train_e2e import (FAST, ROOT, _wait_for_step, losses_by_step, records, run_forked, run_train,
+                                  train_cmd)
 
 
 def ckpt_names(run_dir):
@@ -36,19 +37,19 @@ def run_inprocess(capsys, *args):
 def test_retry_after_no_valid_checkpoint_refuses_to_start_from_scratch(tmp_path):
     run_dir = tmp_path / "run"
     common = FAST + ["checkpoint.interval=2", f"logging.run_dir={run_dir}"]
-    assert run_train(*common, "train.max_steps=4").returncode == 0
+    assert run_forked(*common, "train.max_steps=4").returncode == 0
     for d in (run_dir / "checkpoints").glob("step_????????"):  # every checkpoint truncated
         f = next(d.glob("*.distcp"))
         f.write_bytes(f.read_bytes()[:100])
     names, digests = ckpt_names(run_dir), _digests(run_dir / "checkpoints")
     for attempt in range(2):  # the first failure must not turn the retry into a fresh start
-        p = run_train(*common, "train.max_steps=6")
+        p = run_forked(*common, "train.max_steps=6")
         assert p.returncode == 2, (attempt, p.stdout[-2000:])
         assert "no valid checkpoint" in p.stderr and "checkpoint.allow_fresh_start=true" in p.stderr
         assert len(p.stderr.strip().splitlines()) == 1
         assert ckpt_names(run_dir) == names and _digests(run_dir / "checkpoints") == digests, "changed on disk"
 
-    p = run_train(*common, "train.max_steps=2", "checkpoint.allow_fresh_start=true")
+    p = run_forked(*common, "train.max_steps=2", "checkpoint.allow_fresh_start=true")
     assert p.returncode == 0, p.stderr[-3000:]
     assert "starting from step 0 because checkpoint.allow_fresh_start=true" in p.stdout
     names = ckpt_names(run_dir)
@@ -59,10 +60,10 @@ def test_retry_after_no_valid_checkpoint_refuses_to_start_from_scratch(tmp_path)
 def test_only_quarantined_checkpoints_still_refuse_a_fresh_start(tmp_path):
     run_dir = tmp_path / "run"
     common = FAST + ["checkpoint.interval=2", f"logging.run_dir={run_dir}"]
-    assert run_train(*common, "train.max_steps=2").returncode == 0
+    assert run_forked(*common, "train.max_steps=2").returncode == 0
     ckpts = run_dir / "checkpoints"
     os.rename(ckpts / "step_00000002", ckpts / "step_00000002.corrupt-1")  # what an earlier failed run left
-    p = run_train(*common, "train.max_steps=4")
+    p = run_forked(*common, "train.max_steps=4")
     assert p.returncode == 2
     assert "step_00000002.corrupt-1 (quarantined earlier)" in p.stderr and "'latest' names step_00000002" in p.stderr
 
@@ -118,8 +119,8 @@ def test_divergence_keeps_the_last_good_checkpoint_and_names_it(tmp_path, capsys
 
 def test_fp16_loss_scale_floor_is_a_clean_error(tmp_path):
     run_dir = tmp_path / "run"
-    p = run_train(*FAST, "precision=fp16", "loss_scale.initial=1e12", "loss_scale.min_scale=1e12",
-                  "train.max_steps=5", "checkpoint.interval=1", f"logging.run_dir={run_dir}")
+    p = run_forked(*FAST, "precision=fp16", "loss_scale.initial=1e12", "loss_scale.min_scale=1e12",
+                   "train.max_steps=5", "checkpoint.interval=1", f"logging.run_dir={run_dir}")
     assert p.returncode == 2, p.stderr[-3000:]
     assert p.stderr.startswith("error: ") and len(p.stderr.strip().splitlines()) == 1, p.stderr
     assert "loss_scale.min_scale=1e+12" in p.stderr and "last good checkpoint: none" in p.stderr
@@ -202,7 +203,7 @@ def test_signal_during_start_up_stops_cleanly(tmp_path, module, name):
     common = FAST + ["checkpoint.interval=2", f"logging.run_dir={run_dir}"]
     resuming = name == "Checkpointer.load"
     if resuming:
-        assert run_train(*common, "train.max_steps=2").returncode == 0
+        assert run_forked(*common, "train.max_steps=2").returncode == 0
     before = _digests(run_dir) if resuming else {}
     script = SIGNAL_DURING.format(root=str(ROOT), module=module, name=name)
     p = subprocess.run([sys.executable, "-c", script, *common, "train.max_steps=6"], cwd=ROOT, capture_output=True,
@@ -272,7 +273,7 @@ def test_full_disk_keeps_the_previous_checkpoint_and_says_so(tmp_path, capsys, m
 def test_resume_with_other_data_or_seed_is_refused_unless_allowed(tmp_path):
     run_dir = tmp_path / "run"
     common = FAST + ["checkpoint.interval=2", f"logging.run_dir={run_dir}"]
-    assert run_train(*common, "train.max_steps=2").returncode == 0
+    assert run_forked(*common, "train.max_steps=2").returncode == 0
     moved = tmp_path / "moved"  # the same files elsewhere are the same data
     shutil.copy(f"{SAMPLE}.idx", f"{moved}.idx")
     shutil.copy(f"{SAMPLE}.bin", f"{moved}.bin")
@@ -284,25 +285,25 @@ def test_resume_with_other_data_or_seed_is_refused_unless_allowed(tmp_path):
         for i in range(ds.num_docs // 2):
             w.add_document(ds.doc(i))
 
-    p = run_train(*common, "train.max_steps=4", "train.seed=99")
+    p = run_forked(*common, "train.max_steps=4", "train.seed=99")
     assert p.returncode == 2 and "train.seed: checkpoint 1234 vs now 99" in p.stderr
-    p = run_train(*common, "train.max_steps=4", f"data.paths=[{other}]")
+    p = run_forked(*common, "train.max_steps=4", f"data.paths=[{other}]")
     assert p.returncode == 2 and "data files" in p.stderr and str(other) in p.stderr
     assert ckpt_names(run_dir) == ["latest", "step_00000002"]
-    p = run_train(*common, "train.max_steps=4", f"data.paths=[{other}]", "checkpoint.on_data_change=warn")
+    p = run_forked(*common, "train.max_steps=4", f"data.paths=[{other}]", "checkpoint.on_data_change=warn")
     assert p.returncode == 0 and "WARNING" in p.stdout and "trained on other data" in p.stdout
-    p = run_train(*common, "train.max_steps=6", f"data.paths=[{moved}]", "train.seed=1234")
+    p = run_forked(*common, "train.max_steps=6", f"data.paths=[{moved}]", "train.seed=1234")
     assert p.returncode == 2 and "data files" in p.stderr  # step 4 was saved with `other`, not the sample
 
 
 def test_moved_data_files_resume_without_complaint(tmp_path):
     run_dir = tmp_path / "run"
     common = FAST + ["checkpoint.interval=2", f"logging.run_dir={run_dir}"]
-    assert run_train(*common, "train.max_steps=2").returncode == 0
+    assert run_forked(*common, "train.max_steps=2").returncode == 0
     moved = tmp_path / "moved"
     shutil.copy(f"{SAMPLE}.idx", f"{moved}.idx")
     shutil.copy(f"{SAMPLE}.bin", f"{moved}.bin")
-    p = run_train(*common, "train.max_steps=3", f"data.paths=[{moved}]")
+    p = run_forked(*common, "train.max_steps=3", f"data.paths=[{moved}]")
     assert p.returncode == 0 and "resumed from" in p.stdout and "WARNING" not in p.stdout, p.stderr[-2000:]
 
 
@@ -311,9 +312,9 @@ def test_steps_rerun_after_a_resume_are_logged_once(tmp_path):
     run_dir = tmp_path / "run"
     common = FAST + ["checkpoint.interval=4", "checkpoint.save_at_exit=false", "train.decay_steps=10",
                      f"logging.run_dir={run_dir}"]
-    assert run_train(*common, "train.max_steps=6").returncode == 0  # like a crash after step 6: last save at 4
+    assert run_forked(*common, "train.max_steps=6").returncode == 0  # like a crash after step 6: last save at 4
     first, _ = losses_by_step(run_dir)
-    p = run_train(*common, "train.max_steps=8")
+    p = run_forked(*common, "train.max_steps=8")
     assert p.returncode == 0 and "dropped 2 record(s) after step 4" in p.stdout
     got, repeats = losses_by_step(run_dir)
     assert not repeats and [r["step"] for r in records(run_dir)] == list(range(1, 9))
