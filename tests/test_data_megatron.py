@@ -338,7 +338,7 @@ def test_training_on_a_megatron_pair_gives_the_same_curve(tmp_path: Path, megatr
     validation included)."""
     import torch
 
-    from tests.test_train_e2e import FAST, losses_by_step, records, run_train
+    from tests.test_train_e2e import FAST, losses_by_step, records, run_forked
 
     ours = IndexedDataset("data/sample/sample_text_document")
     prefix = tmp_path / "megatron_rewrite"  # any name: shuffling follows the content
@@ -352,8 +352,8 @@ def test_training_on_a_megatron_pair_gives_the_same_curve(tmp_path: Path, megatr
     curves = []
     for name, data in (("ours", "data/sample/sample_text_document"), ("megatron", str(prefix))):
         run_dir = tmp_path / name
-        p = run_train(*FAST, "train.max_steps=4", "train.eval_interval=4", "train.eval_iters=2",
-                      f"data.paths=[{data}]", f"logging.run_dir={run_dir}", "checkpoint.save_at_exit=false")
+        p = run_forked(*FAST, "train.max_steps=4", "train.eval_interval=4", "train.eval_iters=2",
+                       f"data.paths=[{data}]", f"logging.run_dir={run_dir}", "checkpoint.save_at_exit=false")
         assert p.returncode == 0, p.stderr[-3000:]
         val = [r["val_loss"] for r in records(run_dir) if "val_loss" in r]
         curves.append((losses_by_step(run_dir)[0], val))

@@ -472,22 +472,21 @@ def test_hpz_size_must_divide_the_dp_ranks_of_a_node():
 def test_sampled_quantization_error_is_logged(tmp_path):
     """zero.quant_error_interval=2: steps 2 and 4 carry the relative error of the gathered weights (int8:
     about 1/(2*128*sqrt(3)) of a block's absmax, so well under 1%) and of the reduced gradients (int4)."""
-    import sys
-
-    from tests.test_train_e2e import FAST, records, run_train
+    from tests.dist_harness import train_main
+    from tests.test_train_e2e import FAST, ROOT, records
 
     run_dir = tmp_path / "run"
-    torchrun = (sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4")
-    p = run_train(*FAST, "train.global_batch_size=16", "parallel.ranks_per_node=2", "zero.stage=3", QWZ, QGZ,
-                  "zero.quant_error_interval=2", "train.max_steps=4", "checkpoint.interval=0",
-                  "checkpoint.save_at_exit=false", f"logging.run_dir={run_dir}", launcher=torchrun)
-    assert p.returncode == 0, p.stderr[-3000:]
+    args = [*FAST, "train.global_batch_size=16", "parallel.ranks_per_node=2", "zero.stage=3", QWZ, QGZ,
+            "zero.quant_error_interval=2", "train.max_steps=4", "checkpoint.interval=0",
+            "checkpoint.save_at_exit=false", f"logging.run_dir={run_dir}"]
+    code, out, err = run_world(train_main, 4, args, str(ROOT), timeout=300, env={"OMP_NUM_THREADS": "1"})[0]
+    assert code == 0, err[-3000:]
     sampled = [r for r in records(run_dir) if "quant_error" in r]
     assert [r["step"] for r in sampled] == [2, 4]
     for r in sampled:
         assert 1e-4 < r["quant_error"]["weights"] < 0.01, r
         assert 1e-3 < r["quant_error"]["gradients"] < 0.5, r
-    assert "relative quantization error" in p.stdout
+    assert "relative quantization error" in out
 
 
 def test_fp16_overflow_survives_quantization_and_skips_like_zero3():
