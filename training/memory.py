@@ -38,12 +38,37 @@ the checkpoints take 2 * b * s * h * layers / ci bytes per micro-batch in flight
 and recomputing one segment needs b * s * ci * (16 h + 2 heads s). Without
 recomputation, Megatron's per-layer figure s b h (34 + 5 heads s / h) (divided
 by t under SP, its TP form otherwise). An MoE layer's activations are counted as the dense layer's (the
-top_k expert rows per token and the dispatch buffers are not modelled).
+top_k expert rows per token and the dispatch buffers are not modelled). At cp = 1 these are seed 004's figures
+as it states them: its 5 heads s^2 b counts the s x s softmax output, its dropout mask and the dropout output of
+an unfused attention; SDPA's fused kernels, which this code calls, keep none of them, so there it is an upper bound.
+
+Context parallelism (cp > 1): each rank holds s / cp tokens of every sequence (``parallel/layout.py cp_spans``),
+and every term above is that of s' = s / cp tokens. The attention (``parallel/context.py``) runs per-pair
+flash-style kernels that keep no s x s scores: it saves only its local q, k, v and output (16-bit, [b, heads, s',
+d]) and an fp32 log-sum-exp per query row per head, so the 5 heads s^2 b term is replaced by the output, 2 s' b h
+(a buffer of its own: the output projection's input, among the 34, is a copy of it, where SDPA's output at cp = 1
+is laid out so that it is a view), and the log-sum-exp, 4 heads s' b::
+
+    per layer   s' b h (36 + 4 heads / h)            (all of it over t under SP; without SP, 10 + (26 + 4 heads
+                                                       / h) / t; GQA's K/V saving as at cp = 1)
+    recompute   b s' ci (16 h + 2 h + 4 heads)        (full recomputation's working segment, out and lse for the
+                                                       s x s scores)
+
+The ring's in-flight K/V blocks (the block in hand and the one arriving, GQA's expanded copies), the running
+output and log-sum-exp of the forward, and the backward's fp32 dK/dV accumulators (this step's, the one passing
+round the ring, the rank's own) and dQ are working memory of the one layer whose attention runs, freed when it
+returns: they are not stored per layer, and are not counted here (nor ``all_gather``'s full-sequence K/V and its
+fp32 dK/dV, also transient). ``SavedActivations`` measures what autograd really saves (tests/test_context_memory.py
+compares it with these figures at cp 1, 2 and 4): per token it falls as 1 / cp, as the estimate does, and at bf16
+it is about 1.5x the estimate, since the code keeps more than Megatron's 16-bit 34 s b h: the norms' fp32 copies
+(``model/layers.py Norm``) and, outside the layers, the loss's fp32 log-probabilities.
 """
 from __future__ import annotations
 
 import math
 from typing import Dict, List, Sequence, Set, Tuple
+
+import torch
 
 from config import Config, grad_accumulation_precision
 from optimizers.tensor_rules import rule_of
@@ -310,21 +335,91 @@ def _working_peak(module_uses: List[ModuleUse], full_p: List[int], full_g: List[
 
 
 def activation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, int]:
-    """Seed 004's activation estimate for this rank (16-bit activations, 1F1B in-flight micro-batches)."""
-    m, b = cfg.model, cfg.train.micro_batch_size
-    s, h, a, t = m.seq_len, m.d_model, m.n_heads, layout.tp
+    """Seed 004's activation estimate for this rank (16-bit activations, 1F1B in-flight micro-batches); under
+    context parallelism that of the rank's s / cp tokens, with what the CP attention keeps (module docstring)."""
+    m, b, cp = cfg.model, cfg.train.micro_batch_size, layout.cp
+    s, h, a, t = m.seq_len // cp, m.d_model, m.n_heads, layout.tp
     pp_rank = layout.coords(rank)[0]
     layers = m.n_layers // layout.pp
     in_flight = min(layout.pp - pp_rank, layout.num_microbatches) if layout.pp > 1 else 1
     if m.activation_checkpointing == "full":
         ci = 1
         checkpoints = 2 * b * s * h * layers // ci // (t if layout.sequence_parallel else 1)
-        working = b * s * ci * (16 * h + 2 * a * s) // t
+        scores = 2 * a * s if cp == 1 else 2 * h + 4 * a  # the s x s softmax; under CP the output and lse instead
+        working = b * s * ci * (16 * h + scores) // t
         return {"checkpoints": checkpoints * in_flight, "recompute_working": working}
     # grouped-query attention stores K and V (2sbh each in the 34sbh) for n_kv_heads / n_heads of the heads
     kv_saving = 4 * (1 - m.kv_heads / m.n_heads)
+
+    def attention(split: int) -> float:
+        """The attention's own terms in units of s b h, split over ``split`` TP ranks: the s x s scores (cp = 1),
+        or the output and the fp32 log-sum-exp (cp > 1)."""
+        return 5 * a * s / (h * split) if cp == 1 else (2 + 4 * a / h) / split
+
     if layout.sequence_parallel:
-        per_layer = s * b * h * (34 - kv_saving + 5 * a * s / h) / t
+        per_layer = s * b * h * (34 - kv_saving + attention(1)) / t
     else:
-        per_layer = s * b * h * (10 + (24 - kv_saving) / t + 5 * a * s / (h * t))
+        per_layer = s * b * h * (10 + (24 - kv_saving) / t + attention(t))
     return {"stored": int(per_layer * layers * in_flight), "recompute_working": 0}
+
+
+class SavedActivations:
+    """The activation bytes a rank really keeps, measured: what autograd saves for backward during one micro-batch's
+    forward (``torch.autograd.graph.saved_tensors_hooks``), each distinct storage counted once, whole. Not counted:
+    the storages of ``chunks``' parameters and buffers (RoPE's tables), and 16-bit casts of parameters (autocast's
+    weight copies, which the linears save: 2 bytes a parameter whatever the sequence length; ``weight_casts``).
+
+    On CPU there is no allocator peak to read, so this is the measure: the saved tensors are what stays alive from
+    a micro-batch's forward to its backward, the activations an estimate like ``activation_bytes`` models; working
+    buffers freed within a layer (the ring's K/V in flight, the accumulators) are not in it. Each forward of the
+    first chunk starts a new micro-batch; ``peak`` is the largest micro-batch's bytes, ``last`` the last one's (one
+    micro-batch at a time: pp = 1, or a pipeline's in-flight micro-batches are not added up)."""
+
+    def __init__(self, chunks: Sequence):
+        self.chunks = list(chunks)
+        self.excluded = {t.untyped_storage().data_ptr() for c in self.chunks
+                         for t in list(c.parameters()) + list(c.buffers())}
+        self.params = {id(p) for c in self.chunks for p in c.parameters()}
+        self.peak = self.last = self.weight_casts = 0
+        self._seen: Set[int] = set()
+        self._casts = 0
+        self._hooks = self._pre = None
+
+    def _start(self, *_) -> None:
+        self._seen, self.last, self._casts = set(), 0, 0
+
+    def _is_cast(self, t) -> bool:
+        fn = t.grad_fn
+        if fn is None or type(fn).__name__ != "ToCopyBackward0":
+            return False
+        for _ in range(4):  # through the views of a fused weight ([3, d, d] viewed as [3d, d]) to the parameter
+            fn = fn.next_functions[0][0] if fn.next_functions else None
+            if fn is None or hasattr(fn, "variable"):
+                return fn is not None and id(fn.variable) in self.params
+            if "View" not in type(fn).__name__ and "Reshape" not in type(fn).__name__:
+                return False
+        return False
+
+    def _pack(self, t):
+        storage = t.untyped_storage()
+        key = storage.data_ptr()
+        if key in self.excluded or key in self._seen:
+            return t
+        self._seen.add(key)
+        if self._is_cast(t):
+            self._casts += storage.nbytes()
+            self.weight_casts = max(self.weight_casts, self._casts)
+        else:
+            self.last += storage.nbytes()
+            self.peak = max(self.peak, self.last)
+        return t
+
+    def __enter__(self) -> "SavedActivations":
+        self._hooks = torch.autograd.graph.saved_tensors_hooks(self._pack, lambda t: t)
+        self._hooks.__enter__()
+        self._pre = self.chunks[0].register_forward_pre_hook(self._start)
+        return self
+
+    def __exit__(self, *exc) -> None:
+        self._pre.remove()
+        self._hooks.__exit__(*exc)
