@@ -7,7 +7,8 @@ figures are those of ``training/memory.py``, for the first rank of the first and
 of the last pipeline stage. The trainer logs the measured figures at its first
 step (``model_state_bytes`` in metrics.jsonl), to compare with. For a mixture of
 experts, a rank holds num_experts / parallel.ep of each MoE layer's routed experts
-(Phi counts those), sharded over the dp / ep ranks holding the same experts.
+(Phi counts those), sharded over the dp / ep ranks holding the same experts. With context parallelism
+(parallel.cp) a rank's activations are those of its seq_len / cp tokens, and the attention keeps no s x s scores.
 """
 from __future__ import annotations
 
@@ -66,7 +67,9 @@ def main(argv=None) -> int:
             print(f"stage {stage}  " + " ".join(f"{gib(est[k]):>12}" for k in COMPONENTS)
                   + f" {gib(total):>10} {total / phi:10.2f}")
         act = activation_bytes(cfg, layout, rank)
-        print("activations (seed 004, per rank, micro-batches in flight): "
+        cp = (f"; cp {layout.cp}: {cfg.model.seq_len // layout.cp} tokens of each sequence, no s x s scores"
+              if layout.cp > 1 else "")
+        print(f"activations (seed 004, per rank, micro-batches in flight{cp}): "
               + ", ".join(f"{k} {gib(v).strip()} GiB" for k, v in act.items()))
     return 0
 
