@@ -66,6 +66,14 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "bad_row": ["--rows", "!no_such_row"],
         "repeat_0": ["!--repeat", "0"],
     },
+    "bench_context_cluster.py": {
+        "missing": ["--workdir", "!{binary}/runs"],
+        "wrong_kind": ["--workdir", "!{binary}"],
+        "binary": ["!--kv-heads", "3"],
+        "malformed": ["--rows", "!cp3"],
+        "steps_le_skip": ["!--steps", "3"],
+        "seq_len_odd": ["!--seq-len", "1020"],
+    },
     "bench_fp8.py": {
         "missing": ["--presets", "!{absent}.yaml"],
         "wrong_kind": ["--presets", "!{dir}"],
