@@ -373,7 +373,9 @@ class SavedActivations:
     a micro-batch's forward to its backward, the activations an estimate like ``activation_bytes`` models; working
     buffers freed within a layer (the ring's K/V in flight, the accumulators) are not in it. Each forward of the
     first chunk starts a new micro-batch; ``peak`` is the largest micro-batch's bytes, ``last`` the last one's (one
-    micro-batch at a time: pp = 1, or a pipeline's in-flight micro-batches are not added up)."""
+    micro-batch at a time: pp = 1, or a pipeline's in-flight micro-batches are not added up). Without recomputation
+    only: inside a ``torch.utils.checkpoint`` region torch's own hooks replace these, so what a checkpoint keeps
+    (measured: nothing of the blocks at model.activation_checkpointing=full) is not seen."""
 
     def __init__(self, chunks: Sequence):
         self.chunks = list(chunks)
