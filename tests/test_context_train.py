@@ -242,3 +242,40 @@ def test_kill_9_mid_ring_resumes_exactly_and_continues_at_one_process(tmp_path):
     cont, _ = losses_by_step(one)
     for step in (7, 8, 9):
         assert cont[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
+def _rope_phase_worker(ckpt_dir: str):
+    from training.checkpoint import Checkpointer, CheckpointError
+    from tests.parallel_utils import batch_fn, build_engine, tiny_config
+
+    cfg = tiny_config()
+    engine = build_engine(cfg)
+    engine.train_step(batch_fn(engine, 0))
+    path = Checkpointer(cfg, ckpt_dir, engine).save(1, 8)
+    outcomes = {}
+    for name, overrides in (("rope", ["model.seq_len=128", "model.rope_scaling=linear", "model.rope_scaling_factor=4",
+                                      "model.rope_theta=20000"]), ("width", ["model.ffn_hidden=64"])):
+        longer = tiny_config(*overrides)
+        ckpt = Checkpointer(longer, ckpt_dir + "-" + name, build_engine(longer))
+        try:
+            meta = ckpt.load_weights(path)
+            outcomes[name] = ("loaded", meta["rope_changes"])
+        except CheckpointError as e:
+            outcomes[name] = ("refused", str(e))
+        try:
+            ckpt.load(path)
+            outcomes[name + " resume"] = ("loaded", None)
+        except CheckpointError as e:
+            outcomes[name + " resume"] = ("refused", str(e))
+    return outcomes
+
+
+def test_a_long_context_phase_starts_from_weights_with_other_rope_settings(tmp_path):
+    """checkpoint.init_from takes the weights under new rotary settings (no weight depends on them) and names the
+    changes; a full resume refuses them, and init_from still refuses a model of another shape."""
+    out = run_world(_rope_phase_worker, 1, str(tmp_path / "c"))[0]
+    kind, changes = out["rope"]
+    assert kind == "loaded" and any("model.rope_scaling: checkpoint 'none' vs config 'linear'" in c for c in changes)
+    assert any("model.rope_theta" in c for c in changes), changes
+    assert out["rope resume"][0] == "refused" and "model.rope_scaling" in out["rope resume"][1]
+    assert out["width"][0] == "refused" and "model.ffn_size" in out["width"][1]

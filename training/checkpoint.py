@@ -59,6 +59,9 @@ ROPE_SCALING_KEYS = {"linear": ("rope_scaling_factor",),
                      "llama3": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
                                 "rope_original_max_positions")}
 """The settings each RoPE scaling also depends on (recorded with it)."""
+ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
+             "rope_original_max_positions")
+"""The rotary settings: no weight depends on them (``checkpoint.init_from`` may change them)."""
 
 
 MOE_KEYS = ("num_experts", "top_k", "ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_gate", "layer_freq",
@@ -438,10 +441,11 @@ class Checkpointer:
             raise CheckpointError(f"{path}/meta.json: format {meta.get('format')} is not {FORMAT_VERSION}")
         return meta
 
-    def _model_mismatch(self, meta: Dict[str, Any]) -> List[str]:
+    def _model_mismatch(self, meta: Dict[str, Any], rope: bool = True) -> List[str]:
         """The run's model settings that differ from those the checkpoint records, one phrase each. Settings it
         does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
-        attention every checkpoint had n_kv_heads = n_heads."""
+        attention every checkpoint had n_kv_heads = n_heads. ``rope=False``: leave out the rotary settings (base,
+        scaling and its factors), which shape no weight."""
         saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none", "moe": None,
                  "qk_norm": False,
                  **meta["model"]}
@@ -449,17 +453,20 @@ class Checkpointer:
             saved["head_dim"] = saved["d_model"] // saved["n_heads"]  # before model.kv_channels
         ours = model_record(self.cfg.model)
         names = {"kv_heads": "n_kv_heads", "head_dim": "kv_channels"}
+        skip = () if rope else ROPE_KEYS
         return [f"model.{names.get(k, k)}: checkpoint {saved[k]!r} vs config {ours[k]!r}"
-                for k in ours if k in saved and saved[k] != ours[k]]
+                for k in ours if k in saved and saved[k] != ours[k] and k not in skip]
 
     def load_weights(self, path: Path, key: str = "checkpoint.init_from") -> Dict[str, Any]:
         """``checkpoint.init_from``: only the model weights of a verified checkpoint (any layout, e.g. an imported
         Hugging Face model), into this engine (any layout); optimizer, step, loss scale, FP8 scaling state and
         RNG stay fresh. The model settings the checkpoint records must equal the run's: those every checkpoint
-        has, plus the normalisation epsilon, rotary base and key/value heads where it records them (imports do).
-        Returns its meta."""
+        has, plus the normalisation epsilon and key/value heads where it records them (imports do). The rotary
+        settings may differ (a long-context phase extends the context by RoPE scaling or a new base: they shape no
+        weight); those that do are returned as ``meta["rope_changes"]``, one phrase each. Returns its meta."""
         meta = self._read_meta(path, f"{key}={path}")
-        mismatched = self._model_mismatch(meta)
+        mismatched = self._model_mismatch(meta, rope=False)
+        meta["rope_changes"] = [m for m in self._model_mismatch(meta) if m not in mismatched]
         if mismatched:
             raise CheckpointError(f"{key}={path} holds a different model ({', '.join(mismatched)}); "
                                   "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")

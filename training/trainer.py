@@ -186,6 +186,9 @@ def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh, given: Path, key: st
         source = f", imported from {meta['imported_from']}" if meta.get("imported_from") else ""
         print(f"[train] model weights from {path} ({key}{source}; step {meta.get('step')} there); "
               "fresh optimizer, step 0", flush=True)
+        if meta["rope_changes"]:
+            print(f"[train] rotary embedding changed from the checkpoint's: {'; '.join(meta['rope_changes'])}",
+                  flush=True)
 
 
 def _same_content(then: Dict[str, Any], now: Dict[str, Any]) -> bool:
