@@ -275,7 +275,8 @@ def test_every_distributed_setting_is_reset_for_one_process():
     import generate
 
     parallel = {"tp": 2, "pp": 2, "sequence_parallel": True, "virtual_stages": 2, "ranks_per_node": 2,
-                "bucket_mb": 1.0, "overlap_grad_reduce": False, "timeout_s": 30.0, "ep": 2}
+                "bucket_mb": 1.0, "overlap_grad_reduce": False, "timeout_s": 30.0, "ep": 2, "cp": 2,
+                "cp_comm": "all_gather"}
     zero = {"stage": 3, "partition": "whole_tensor", "reduce_dtype": "fp32", "prefetch": False,
             "quantized_weights": True, "weight_bits": 4, "hpz_size": 2, "quantized_gradients": True,
             "gradient_bits": 8, "quant_block": 64, "qgz_stages": 1, "qgz_min_numel": 0, "quant_error_interval": 5,
