@@ -28,7 +28,6 @@ GQA = ["model.n_kv_heads=2"]
 
 LAYOUTS = {
     # name: (world, overrides); every case at seq 120
-    "cp2_p2p": (2, ["parallel.cp=2"]),
     "cp4_p2p_gqa": (4, ["parallel.cp=4", *GQA]),
     "cp4_all_gather": (4, ["parallel.cp=4", "parallel.cp_comm=all_gather"]),
     "cp2_tp2_sp_gqa": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true", *GQA]),
