@@ -19,7 +19,6 @@ from torch.utils.checkpoint import checkpoint
 from parallel.comm import Group
 from parallel.context import ContextParallel, context_attention
 from parallel.cpu_gemm import attention
-from parallel.layout import cp_spans
 from parallel.random import RNGTracker
 from parallel.tensor_parallel import (ColumnParallelLinear, GroupedQKVLinear, RowParallelLinear, new_param,
                                       scaled_init_std)
@@ -132,11 +131,6 @@ class Rotary(nn.Module):
         return (x * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
 
 
-def cp_positions(seq_len: int, cp: ContextParallel) -> torch.Tensor:
-    """The global positions of a context-parallel rank's tokens, in its local order (RoPE's angles)."""
-    return torch.cat([torch.arange(lo, hi) for lo, hi in cp_spans(seq_len, cp.group.size, cp.group.rank)])
-
-
 class Attention(nn.Module):
     """Causal self-attention; heads are split over TP (QKV column-parallel, output row-parallel).
 
@@ -170,7 +164,7 @@ class Attention(nn.Module):
             self.qkv = qkv
         self.proj = RowParallelLinear(cfg.q_size, cfg.d_model, ctx.tp, sequence_parallel=sp, bias=cfg.bias,
                                       std=scaled_init_std(std, cfg.n_layers), fp8=ctx.fp8)
-        self.rotary = Rotary(cfg, cp_positions(cfg.seq_len, ctx.cp) if ctx.cp is not None else None)
+        self.rotary = Rotary(cfg, ctx.cp.positions(cfg.seq_len) if ctx.cp is not None else None)
         self.qk_norm, self.eps = cfg.qk_norm, cfg.norm_eps
         if cfg.qk_norm:
             # each TP rank normalises only its own heads, so with tp > 1 (sequence parallel or not) these weights'

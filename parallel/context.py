@@ -57,6 +57,7 @@ import torch
 from parallel import comm
 from parallel.comm import Group
 from parallel.cpu_gemm import attention as cpu_attention
+from parallel.layout import cp_chunks, cp_spans
 
 aten = torch.ops.aten
 
@@ -82,16 +83,12 @@ class ContextParallel:
 
     def chunk_ids(self) -> Tuple[int, int]:
         """The global indices of this rank's two chunks, in local order."""
-        return _chunk_ids(self.group.rank, self.size)
+        return cp_chunks(self.size, self.group.rank)
 
     def positions(self, seq_len: int) -> torch.Tensor:
         """Global positions (int64 ``[seq_len // cp]``) of this rank's tokens, in local order."""
-        c = _chunk_len(seq_len, self.size)
-        return torch.cat([torch.arange(i * c, (i + 1) * c) for i in self.chunk_ids()])
-
-
-def _chunk_ids(rank: int, cp: int) -> Tuple[int, int]:
-    return rank, 2 * cp - 1 - rank
+        _chunk_len(seq_len, self.size)  # a length not cut into 2 x cp equal chunks is refused
+        return torch.cat([torch.arange(lo, hi) for lo, hi in cp_spans(seq_len, self.size, self.group.rank)])
 
 
 def _chunk_len(seq_len: int, cp: int) -> int:
@@ -103,7 +100,7 @@ def _chunk_len(seq_len: int, cp: int) -> int:
 def local_chunks(x: torch.Tensor, cp: int, rank: int, dim: int) -> torch.Tensor:
     """This rank's two chunks of a full-length tensor along ``dim``: chunks rank and 2·cp-1-rank, concatenated."""
     c = _chunk_len(x.shape[dim], cp)
-    return torch.cat([x.narrow(dim, i * c, c) for i in _chunk_ids(rank, cp)], dim)
+    return torch.cat([x.narrow(dim, i * c, c) for i in cp_chunks(cp, rank)], dim)
 
 
 def _global_order(per_rank: List[torch.Tensor], dim: int) -> torch.Tensor:
@@ -270,7 +267,7 @@ class _Ring(torch.autograd.Function):
         qw = q.to(kern.work)
         for src, block in _rotate(torch.stack([k, v]), group):
             kv = kern.expand(block)
-            _attend(kern, qw, kv[0], kv[1], _block_pairs(cp.chunk_ids(), _chunk_ids(src, cp.size), c), out, lse)
+            _attend(kern, qw, kv[0], kv[1], _block_pairs(cp.chunk_ids(), cp_chunks(cp.size, src), c), out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
         ctx.cp, ctx.kern = cp, kern
@@ -286,7 +283,7 @@ class _Ring(torch.autograd.Function):
         for step, (src, block) in enumerate(_rotate(torch.stack([k, v]), group)):
             kv = kern.expand(block)
             dkv = torch.zeros(block.shape, dtype=kern.acc, device=q.device)
-            _attend_backward(kern, rows, kv[0], kv[1], _block_pairs(cp.chunk_ids(), _chunk_ids(src, cp.size), c),
+            _attend_backward(kern, rows, kv[0], kv[1], _block_pairs(cp.chunk_ids(), cp_chunks(cp.size, src), c),
                              dq, dkv)
             if step == 0:
                 own = dkv

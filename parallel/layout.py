@@ -135,12 +135,18 @@ class Layout:
                 f" dp_inter={self.dp_inter_size}, microbatches={self.num_microbatches})")
 
 
+def cp_chunks(cp: int, cp_rank: int) -> Tuple[int, int]:
+    """Which two of a sequence's 2 x cp chunks context-parallel rank ``cp_rank`` holds, in its local order: chunks
+    cp_rank and 2 cp - 1 - cp_rank (Megatron-Core's get_batch_on_this_cp_rank), so that under the causal mask every
+    rank does the same attention work."""
+    return cp_rank, 2 * cp - 1 - cp_rank
+
+
 def cp_spans(seq_len: int, cp: int, cp_rank: int) -> List[Tuple[int, int]]:
-    """The token ranges ``[lo, hi)`` of a sequence that context-parallel rank ``cp_rank`` holds, in its local order:
-    of the sequence cut into 2 x cp chunks, chunks cp_rank and 2 cp - 1 - cp_rank (Megatron-Core's
-    get_batch_on_this_cp_rank), so that under the causal mask every rank does the same attention work."""
+    """The token ranges ``[lo, hi)`` of a sequence that context-parallel rank ``cp_rank`` holds (``cp_chunks``), in
+    its local order."""
     size = seq_len // (2 * cp)
-    return [(c * size, (c + 1) * size) for c in (cp_rank, 2 * cp - 1 - cp_rank)]
+    return [(c * size, (c + 1) * size) for c in cp_chunks(cp, cp_rank)]
 
 
 def kv_replicas(kv_heads: int, tp: int) -> int:
@@ -159,12 +165,8 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
 
     tp, pp, vp, cp = par.tp, par.pp, par.virtual_stages, max(par.cp, 1)
     rpn = par.ranks_per_node if par.ranks_per_node is not None else launcher_ranks_per_node
-    if cp == 1:
-        need(world_size % (tp * pp) == 0,
-             f"world size {world_size} is not divisible by parallel.tp={tp} x parallel.pp={pp} = {tp * pp}")
-    else:
-        need(world_size % (tp * pp * cp) == 0, f"world size {world_size} is not divisible by parallel.tp={tp} x "
-                                               f"parallel.pp={pp} x parallel.cp={cp} = {tp * pp * cp}")
+    factors = f"parallel.tp={tp} x parallel.pp={pp}" + (f" x parallel.cp={cp}" if cp > 1 else "")
+    need(world_size % (tp * pp * cp) == 0, f"world size {world_size} is not divisible by {factors} = {tp * pp * cp}")
     dp = max(world_size // (tp * pp * cp), 1) * cp  # the replica group: batch shards x cp
     need(m.n_heads % tp == 0, f"model.n_heads={m.n_heads} is not divisible by parallel.tp={tp}")
     kv = m.kv_heads

@@ -191,56 +191,9 @@ def test_kill_9_mid_ring_resumes_exactly_and_continues_at_one_process(tmp_path):
     """train.main on two forked ranks at cp 2 (bundled corpus, seq 64: chunks of 16): SIGKILL to one rank mid-run
     (the step is mostly ring attention) ends the job; the resumed run logs the uninterrupted run's losses, and its
     step-6 checkpoint continued at one process (cp 1) stays on the same curve."""
-    import os
-    import signal
-    import threading
-    import time
+    from tests.test_train_e2e import FAST, assert_kill_9_resumes_exactly
 
-    from tests.test_train_e2e import FAST, _train_main_telling_its_pid, losses_by_step, records
-
-    common = FAST + ["train.max_steps=9", "checkpoint.interval=3"]
-    cp2 = common + ["parallel.cp=2"]
-    env = {"OMP_NUM_THREADS": "1"}
-
-    def run(world: int, args: List[str], run_dir) -> None:
-        for code, _, err in run_world(_train_main_telling_its_pid, world, str(tmp_path / "pid"),
-                                      args + [f"logging.run_dir={run_dir}"], timeout=300, env=env):
-            assert code == 0, err[-3000:]
-
-    run(2, cp2, tmp_path / "straight")
-    ref, _ = losses_by_step(tmp_path / "straight")
-    run_dir, outcome = tmp_path / "run", {}
-
-    def interrupted():
-        try:
-            run_world(_train_main_telling_its_pid, 2, str(tmp_path / "pid"), cp2 + [f"logging.run_dir={run_dir}"],
-                      timeout=300, env=env)
-        except AssertionError as e:  # a rank died: run_world says so
-            outcome["died"] = str(e)
-
-    thread = threading.Thread(target=interrupted)
-    thread.start()
-    deadline = time.time() + 120
-    while not any(r.get("step", 0) >= 4 for r in records(run_dir)):
-        assert thread.is_alive() and time.time() < deadline, f"step 4 not reached: {outcome}"
-        time.sleep(0.02)
-    os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
-    thread.join(120)
-    assert "died" in outcome, outcome
-    assert max(losses_by_step(run_dir)[0]) < 9, "the run finished before the kill"
-    run(2, cp2, run_dir)
-    got, _ = losses_by_step(run_dir)
-    assert sorted(got) == sorted(ref)
-    for step in ref:
-        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
-    one = tmp_path / "one"  # the checkpoint of step 6 (cp 2) continued at one process
-    (one / "checkpoints").mkdir(parents=True)
-    os.symlink(run_dir / "checkpoints" / "step_00000006", one / "checkpoints" / "step_00000006")
-    (one / "checkpoints" / "latest").write_text("step_00000006\n")
-    run(1, common, one)
-    cont, _ = losses_by_step(one)
-    for step in (7, 8, 9):
-        assert cont[step] == pytest.approx(ref[step], rel=1e-5), step
+    assert_kill_9_resumes_exactly(tmp_path, FAST + ["train.max_steps=9", "checkpoint.interval=3"], ["parallel.cp=2"])
 
 
 def _rope_phase_worker(ckpt_dir: str):

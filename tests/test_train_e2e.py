@@ -117,6 +117,56 @@ def _train_main_telling_its_pid(pid_file, args):
     return train_main(args, str(ROOT))
 
 
+def assert_kill_9_resumes_exactly(tmp_path, common, layout, world: int = 2) -> None:
+    """train.main on ``world`` forked ranks (``common + layout``, 9 steps, a checkpoint every 3): an uninterrupted
+    run in ``tmp_path/straight``; SIGKILL to one rank once step 4 is logged ends the job; the resumed run (same
+    layout) logs the uninterrupted run's losses, and its step-6 checkpoint continued at one process (``common``
+    alone) stays on the same curve."""
+    from tests.dist_harness import run_world
+
+    args, env = common + layout, {"OMP_NUM_THREADS": "1"}
+
+    def run(ranks: int, given, run_dir) -> None:
+        for code, _, err in run_world(_train_main_telling_its_pid, ranks, str(tmp_path / "pid"),
+                                      given + [f"logging.run_dir={run_dir}"], timeout=300, env=env):
+            assert code == 0, err[-3000:]
+
+    run(world, args, tmp_path / "straight")
+    ref, _ = losses_by_step(tmp_path / "straight")
+    run_dir, outcome = tmp_path / "run", {}
+
+    def interrupted():
+        try:
+            run_world(_train_main_telling_its_pid, world, str(tmp_path / "pid"),
+                      args + [f"logging.run_dir={run_dir}"], timeout=300, env=env)
+        except AssertionError as e:  # a rank died: run_world says so
+            outcome["died"] = str(e)
+
+    thread = threading.Thread(target=interrupted)
+    thread.start()
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 4 for r in records(run_dir)):
+        assert thread.is_alive() and time.time() < deadline, f"step 4 not reached: {outcome}"
+        time.sleep(0.02)
+    os.kill(int((tmp_path / "pid").read_text()), signal.SIGKILL)
+    thread.join(120)
+    assert "died" in outcome, outcome
+    assert max(losses_by_step(run_dir)[0]) < 9, "the run finished before the kill"
+    run(world, args, run_dir)
+    got, _ = losses_by_step(run_dir)
+    assert sorted(got) == sorted(ref)
+    for step in ref:
+        assert got[step] == pytest.approx(ref[step], rel=1e-6), step
+    one = tmp_path / "one"  # the checkpoint of step 6 continued at one process
+    (one / "checkpoints").mkdir(parents=True)
+    os.symlink(run_dir / "checkpoints" / "step_00000006", one / "checkpoints" / "step_00000006")
+    (one / "checkpoints" / "latest").write_text("step_00000006\n")
+    run(1, common, one)
+    cont, _ = losses_by_step(one)
+    for step in (7, 8, 9):
+        assert cont[step] == pytest.approx(ref[step], rel=1e-5), step
+
+
 @pytest.mark.parametrize("how", ["sigterm", "crash"])
 def test_interrupted_run_resumes_with_identical_losses(tmp_path, how, uninterrupted_losses):
     """Every run is train.main on a forked rank (a process of its own: the interrupted one gets a real SIGTERM or

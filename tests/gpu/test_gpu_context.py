@@ -9,8 +9,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-from parallel.context import _attend, _attend_backward, _chunk_ids, _Kernels, _prefix_pairs, _query_rows, \
-    _start, local_chunks
+from parallel.context import _attend, _attend_backward, _Kernels, _prefix_pairs, _query_rows, _start, local_chunks
+from parallel.layout import cp_chunks
 
 
 def shares(q, k, v, dout, cp: int):
@@ -26,11 +26,11 @@ def shares(q, k, v, dout, cp: int):
         ql, dl = (local_chunks(t, cp, rank, dim=2) for t in (q, dout))
         o, lse = _start(kern, ql)
         kv = kern.expand(torch.stack([k, v]))
-        pairs = _prefix_pairs(_chunk_ids(rank, cp), c)
+        pairs = _prefix_pairs(cp_chunks(cp, rank), c)
         _attend(kern, ql.to(kern.work), kv[0], kv[1], pairs, o, lse)
         g = torch.zeros(ql.shape, dtype=kern.acc, device=q.device)
         _attend_backward(kern, _query_rows(kern, dl, ql, o.to(q.dtype), lse), kv[0], kv[1], pairs, g, dkv)
-        for i, chunk in enumerate(_chunk_ids(rank, cp)):
+        for i, chunk in enumerate(cp_chunks(cp, rank)):
             out[:, :, chunk * c:(chunk + 1) * c] = o[:, :, i * c:(i + 1) * c]
             dq[:, :, chunk * c:(chunk + 1) * c] = g[:, :, i * c:(i + 1) * c]
     return out, dq, dkv[0], dkv[1]
