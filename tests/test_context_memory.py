@@ -9,7 +9,8 @@ inside one layer's attention and are not in it, nor in the estimate.
 """
 from __future__ import annotations
 
-from typing import List
+import os
+from typing import List, Tuple
 
 import pytest
 
@@ -22,6 +23,9 @@ cp = 1 formula counts (and that SDPA's fused kernel does not keep) is about the 
 attention adds (2 s b h), so at this shape the estimate's cp = 1 and cp > 1 forms count the same things and their
 ratio can be compared with the measured one."""
 SEQ = 64
+WEIGHT_ELEMENTS = 2 * (4 * 256 * 256 + 3 * 512 * 256) + 256 * 256
+"""The linears' weights the blocks and the head cast to 16 bits: per layer q, k, v and the output projection (d x d
+each), the gated FFN's input (2 f x d) and output (d x f) matrices; the untied head's vocab x d."""
 RATIO_TOL = 0.10
 """Measured (fp32, an element 4 bytes) at s = 64: cp 1 5249540 B, cp 2 2755844 B, cp 4 1377924 B, so per token
 cp 2 and cp 4 keep 5% more than cp 1 (the CP attention's output is a buffer of its own, the output projection's
@@ -29,14 +33,30 @@ input a copy of it; SDPA's output at cp 1 is laid out so that this input is a vi
 1 ratio is 0.4935, the measured 0.525 (6% apart)."""
 
 
-def measure_worker(runs: List[List[str]]) -> List[dict]:
-    """For each config: one training step (one micro-batch) with its saved activations measured, the loss, and
-    the estimate for this rank."""
+GEMM_PATHS = ("native", "fp32")
+"""The two CPU paths of 16-bit GEMMs (``parallel/cpu_gemm.py``): the native kernels of a CPU with bf16 matrix
+instructions (AVX512-BF16 / AMX) and the fp32 upcasts of one without. They save different tensors for backward (the
+native linear the transposed weight cast, the upcast attention fp32 copies of q, k, v), so every bf16 claim here is
+checked on both, whatever this machine's CPU would pick."""
+
+
+def use_gemm_path(path: str) -> None:
+    """Force ``GPT_CPU_GEMM=path`` in this process from now on (the choice is cached per process)."""
+    from parallel import cpu_gemm
+
+    os.environ["GPT_CPU_GEMM"] = path
+    cpu_gemm.upcasts.cache_clear()
+
+
+def measure_worker(runs: List[Tuple[List[str], str]]) -> List[dict]:
+    """For each (config, CPU GEMM path): one training step (one micro-batch) with its saved activations measured,
+    the loss, and the estimate for this rank."""
     from tests.parallel_utils import batch_fn, build_engine, tiny_config
     from training.memory import SavedActivations, activation_bytes
 
     out = []
-    for overrides in runs:
+    for overrides, path in runs:
+        use_gemm_path(path)
         cfg = tiny_config(*MODEL, *overrides)
         engine = build_engine(cfg)
         with SavedActivations(engine.chunks) as saved:
@@ -55,15 +75,17 @@ def _runs(seq: int, cp: int, precision: str) -> List[str]:
 @pytest.fixture(scope="module")
 def measured():
     """Every measurement of the file, three worlds: {(seq, cp, precision): rank 0's figures}."""
-    plan = {1: [(SEQ, "fp32"), (SEQ, "bf16"), (4 * SEQ, "bf16")], 2: [(SEQ, "fp32")],
-            4: [(SEQ, "fp32"), (4 * SEQ, "bf16")]}
+    bf16 = [(SEQ, "bf16", path) for path in GEMM_PATHS]
+    plan = {1: [(SEQ, "fp32", "native")] + bf16 + [(4 * SEQ, "bf16", path) for path in GEMM_PATHS],
+            2: [(SEQ, "fp32", "native")],
+            4: [(SEQ, "fp32", "native")] + [(4 * SEQ, "bf16", path) for path in GEMM_PATHS]}
     out = {}
     for cp, cases in plan.items():
-        ranks = run_world(measure_worker, cp, [_runs(s, cp, p) for s, p in cases], timeout=240)
-        for i, (s, p) in enumerate(cases):
+        ranks = run_world(measure_worker, cp, [(_runs(s, cp, p), path) for s, p, path in cases], timeout=240)
+        for i, (s, p, path) in enumerate(cases):
             per_rank = [r[i] for r in ranks]
             assert len({r["measured"] for r in per_rank}) == 1, per_rank  # the causal balance: same on every rank
-            out[s, cp, p] = per_rank[0]
+            out[(s, cp, p) if p == "fp32" else (s, cp, p, path)] = per_rank[0]  # fp32 GEMMs have one path
     return out
 
 
@@ -92,7 +114,9 @@ def test_a_sequence_4x_longer_than_fits_trains_at_cp4_within_the_budget(measured
     keeps more: the norms' fp32 copies (``model/layers.py Norm``: the fp32 input and normalised rows, 20 bytes an
     element against the formula's 4 for both norms) and the fp32 log-probabilities of the loss (4 vocab bytes a
     token, not in the per-layer figure). The budget leaves room for that: measured 4L at cp 4 is 0.68 of it
-    (3480068 of 5111808 B), 4L at cp 1 3.1x (16017412 B; L at cp 1 4004356 B)."""
+    (3480068 of 5111808 B), 4L at cp 1 3.1x (16017412 B; L at cp 1 4004356 B) with fp32 upcasts; with the native
+    bf16 kernels (bf16 q, k, v saved by attention instead of fp32 copies) L at cp 1 3348996 B, 4L at cp 1 13395972 B,
+    4L at cp 4 the same 3480068 B. Both paths' weight casts (2752512 B) are not activations and are left out."""
     from parallel.layout import make_layout
     from tests.parallel_utils import tiny_config
     from training.memory import activation_bytes
@@ -104,12 +128,16 @@ def test_a_sequence_4x_longer_than_fits_trains_at_cp4_within_the_budget(measured
     budget = estimate(2 * SEQ, 1)
     assert estimate(SEQ, 1) <= budget < estimate(4 * SEQ, 1)  # L fits one process, 4L does not
     assert estimate(4 * SEQ, 4) <= budget  # 4L fits at cp 4
-    long_cp4, long_cp1, short_cp1 = measured[4 * SEQ, 4, "bf16"], measured[4 * SEQ, 1, "bf16"], measured[SEQ, 1, "bf16"]
-    assert long_cp4["estimate"] == estimate(4 * SEQ, 4)
-    assert long_cp4["loss"] == pytest.approx(long_cp1["loss"], rel=1e-2)  # finite, and the one-process loss
-    assert short_cp1["measured"] <= budget
-    assert long_cp4["measured"] <= budget < long_cp1["measured"], (long_cp4, long_cp1, budget)
-    assert 1.0 <= long_cp4["measured"] / long_cp4["estimate"] <= 1.6, long_cp4
+    for path in GEMM_PATHS:
+        long_cp4, long_cp1 = measured[4 * SEQ, 4, "bf16", path], measured[4 * SEQ, 1, "bf16", path]
+        short_cp1 = measured[SEQ, 1, "bf16", path]
+        assert long_cp4["estimate"] == estimate(4 * SEQ, 4)
+        assert long_cp4["loss"] == pytest.approx(long_cp1["loss"], rel=1e-2), path  # finite, the one-process loss
+        assert short_cp1["measured"] <= budget, (path, short_cp1, budget)
+        assert long_cp4["measured"] <= budget < long_cp1["measured"], (path, long_cp4, long_cp1, budget)
+        assert 1.0 <= long_cp4["measured"] / long_cp4["estimate"] <= 1.6, (path, long_cp4)
+        # the weights' 16-bit casts are told apart on both paths (the native linear saves them transposed)
+        assert short_cp1["casts"] == long_cp4["casts"] == 2 * WEIGHT_ELEMENTS, (path, short_cp1, long_cp4)
 
 
 def test_estimate_under_cp_is_that_of_s_over_cp_tokens_without_scores():

@@ -363,6 +363,11 @@ def activation_bytes(cfg: Config, layout: Layout, rank: int = 0) -> Dict[str, in
     return {"stored": int(per_layer * layers * in_flight), "recompute_working": 0}
 
 
+_VIEW_BACKWARDS = frozenset({"TBackward0", "TransposeBackward0", "PermuteBackward0", "ReshapeAliasBackward0",
+                             "AliasBackward0", "ExpandBackward0", "SliceBackward0", "SelectBackward0"})
+"""The backward nodes of the views a parameter passes through before its cast (besides any ``*View*``)."""
+
+
 class SavedActivations:
     """The activation bytes a rank really keeps, measured: what autograd saves for backward during one micro-batch's
     forward (``torch.autograd.graph.saved_tensors_hooks``), each distinct storage counted once, whole. Not counted:
@@ -391,6 +396,11 @@ class SavedActivations:
         self._seen, self.last, self._casts = set(), 0, 0
 
     def _is_cast(self, t) -> bool:
+        """Whether ``t`` is a 16-bit cast of a parameter or a view of one. The native CPU / CUDA 16-bit linear saves
+        the transposed cast (``addmm``'s ``weight.t()``: a view whose grad_fn is ``TBackward0``), the fp32-upcast
+        path the cast itself, so a view is judged by its base."""
+        if t._is_view():
+            t = t._base
         fn = t.grad_fn
         if fn is None or type(fn).__name__ != "ToCopyBackward0":
             return False
@@ -398,7 +408,8 @@ class SavedActivations:
             fn = fn.next_functions[0][0] if fn.next_functions else None
             if fn is None or hasattr(fn, "variable"):
                 return fn is not None and id(fn.variable) in self.params
-            if "View" not in type(fn).__name__ and "Reshape" not in type(fn).__name__:
+            name = type(fn).__name__
+            if name not in _VIEW_BACKWARDS and "View" not in name and "Reshape" not in name:
                 return False
         return False
 
