@@ -26,7 +26,8 @@ checkpoints. One trainer at a time writes a directory (``training/run_lock.py``)
 What loading trusts: nothing in a checkpoint runs (training/safe_load.py reads every file as data: JSON,
 ``weights_only`` tensors, DCP metadata through an allow-list unpickler; every DCP load goes through its
 ``load_dcp``). Values are checked too: FP8 scales must be finite and positive, amax histories finite and
-non-negative, mu within its bounds.
+non-negative, mu within its bounds. What a checkpoint must share with the run that loads it (model, optimizer):
+``training/checkpoint_rules.py``.
 """
 from __future__ import annotations
 
@@ -43,42 +44,17 @@ import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from config import Config, ModelConfig, to_dict
+from config import Config, to_dict
 from parallel import comm
 from training.checkpoint_files import (STEP_DIR, checkpoint_root, file_digest, file_problem,  # noqa: F401 (also
                                        find_checkpoint, read_manifest, verify)  # imported from here by the scripts)
+from training.checkpoint_rules import (MODEL_KEYS, MOE_KEYS, ROPE_KEYS, ROPE_SCALING_KEYS,  # noqa: F401 (model_record
+                                       model_mismatch, model_record)  # also imported from here by the scripts)
 from training.engine import Engine
 from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_rng_file
 
 FORMAT_VERSION = 1
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
-MODEL_KEYS = ("n_layers", "d_model", "n_heads", "kv_heads", "head_dim", "vocab_size", "ffn_size", "activation",
-              "norm", "tie_embeddings", "bias", "qkv_bias", "norm_eps", "rope_theta", "rope_scaling", "qk_norm")
-"""The model settings meta.json records; a checkpoint loads only into a model with the same ones."""
-ROPE_SCALING_KEYS = {"linear": ("rope_scaling_factor",),
-                     "llama3": ("rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-                                "rope_original_max_positions")}
-"""The settings each RoPE scaling also depends on (recorded with it)."""
-ROPE_KEYS = ("rope_theta", "rope_scaling", "rope_scaling_factor", "rope_low_freq_factor", "rope_high_freq_factor",
-             "rope_original_max_positions")
-"""The rotary settings: no weight depends on them (``checkpoint.init_from`` may change them)."""
-
-
-MOE_KEYS = ("num_experts", "top_k", "ffn_hidden", "shared_experts", "shared_ffn_hidden", "shared_gate", "layer_freq",
-            "first_dense")
-"""The model.moe settings that shape the parameters (recorded as ``moe`` for a model with experts)."""
-
-
-def model_record(model: ModelConfig) -> Dict[str, Any]:
-    """What meta.json records of the model: MODEL_KEYS, the RoPE scaling's own settings and, with experts, the
-    model.moe settings that shape the parameters (``moe``; None for a dense model)."""
-    keys = MODEL_KEYS + ROPE_SCALING_KEYS.get(model.rope_scaling, ())
-    record = {k: getattr(model, k) for k in keys}
-    moe = model.moe
-    record["moe"] = {k: getattr(moe, k) for k in MOE_KEYS} if moe.num_experts else None
-    return record
-
-
 def _chain(e: BaseException) -> List[BaseException]:
     """e, its causes and contexts, and every rank's failure inside a DCP CheckpointException (recursively)."""
     seen, out, todo = set(), [], [e]
@@ -358,7 +334,7 @@ class Checkpointer:
         refused with one line naming the tensor or file, on every rank. A resume (``with_optimizer``) into another
         precision says so on rank 0: FP8 scaling state is dropped (fp8 -> other) or starts fresh (other -> fp8)."""
         meta = self._read_meta(path, f"checkpoint {path}")
-        mismatched = self._model_mismatch(meta)
+        mismatched = model_mismatch(meta, self.cfg.model)
         if mismatched:
             raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
         then = ((meta.get("config") or {}).get("train") or {}).get("optimizer", "adamw")
@@ -441,22 +417,6 @@ class Checkpointer:
             raise CheckpointError(f"{path}/meta.json: format {meta.get('format')} is not {FORMAT_VERSION}")
         return meta
 
-    def _model_mismatch(self, meta: Dict[str, Any], rope: bool = True) -> List[str]:
-        """The run's model settings that differ from those the checkpoint records, one phrase each. Settings it
-        does not record are not compared (older checkpoints lack norm_eps and rope_theta); before grouped-query
-        attention every checkpoint had n_kv_heads = n_heads. ``rope=False``: leave out the rotary settings (base,
-        scaling and its factors), which shape no weight."""
-        saved = {"kv_heads": meta["model"].get("n_heads"), "qkv_bias": False, "rope_scaling": "none", "moe": None,
-                 "qk_norm": False,
-                 **meta["model"]}
-        if "head_dim" not in saved and "d_model" in saved and saved.get("n_heads"):
-            saved["head_dim"] = saved["d_model"] // saved["n_heads"]  # before model.kv_channels
-        ours = model_record(self.cfg.model)
-        names = {"kv_heads": "n_kv_heads", "head_dim": "kv_channels"}
-        skip = () if rope else ROPE_KEYS
-        return [f"model.{names.get(k, k)}: checkpoint {saved[k]!r} vs config {ours[k]!r}"
-                for k in ours if k in saved and saved[k] != ours[k] and k not in skip]
-
     def load_weights(self, path: Path, key: str = "checkpoint.init_from") -> Dict[str, Any]:
         """``checkpoint.init_from``: only the model weights of a verified checkpoint (any layout, e.g. an imported
         Hugging Face model), into this engine (any layout); optimizer, step, loss scale, FP8 scaling state and
@@ -465,8 +425,8 @@ class Checkpointer:
         settings may differ (a long-context phase extends the context by RoPE scaling or a new base: they shape no
         weight); those that do are returned as ``meta["rope_changes"]``, one phrase each. Returns its meta."""
         meta = self._read_meta(path, f"{key}={path}")
-        mismatched = self._model_mismatch(meta, rope=False)
-        meta["rope_changes"] = [m for m in self._model_mismatch(meta) if m not in mismatched]
+        mismatched = model_mismatch(meta, self.cfg.model, rope=False)
+        meta["rope_changes"] = [m for m in model_mismatch(meta, self.cfg.model) if m not in mismatched]
         if mismatched:
             raise CheckpointError(f"{key}={path} holds a different model ({', '.join(mismatched)}); "
                                   "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
