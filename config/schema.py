@@ -4,7 +4,7 @@ outside ``config``."""
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Sequence, Tuple
 
 from config.moe import MOE_SCORES, MoeConfig
 from config.optimizer import MUON_ADJUST_LR, OPTIMIZERS, AdafactorConfig, Adamw8bitConfig, MuonConfig
@@ -12,6 +12,18 @@ from config.optimizer import MUON_ADJUST_LR, OPTIMIZERS, AdafactorConfig, Adamw8
 
 class ConfigError(ValueError):
     """A configuration value is missing, unknown, of the wrong type or inconsistent."""
+
+    problems: Tuple[str, ...] = ()
+    """Each problem on its own, when the error lists the findings of several checks (``ConfigError.listing``)."""
+
+    @classmethod
+    def listing(cls, header: str, problems: Sequence[str]) -> "ConfigError":
+        """The error of checks that found ``problems``: ``header: problem`` on one line when one value is wrong;
+        the header, then one ``  - problem`` line each, when several are."""
+        text = f"{header}: {problems[0]}" if len(problems) == 1 else f"{header}:\n  - " + "\n  - ".join(problems)
+        error = cls(text)
+        error.problems = tuple(problems)
+        return error
 
 
 # Ceilings of the sizes, counts and intervals that allocate or loop (``validate_config`` checks each, one line

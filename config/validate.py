@@ -180,4 +180,4 @@ def validate_config(cfg: Config) -> None:
             need(not _get(cfg, key), f"{key}=true does not combine with precision=fp8: FP8-LM already moves "
                                      f"{'weights' if 'weights' in key else 'gradients'} in FP8 (hpZ does combine)")
     if errors:
-        raise ConfigError("invalid configuration:\n  - " + "\n  - ".join(errors))
+        raise ConfigError.listing("invalid configuration", errors)

@@ -214,7 +214,7 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
              f"model.moe.num_experts={experts} is not divisible by parallel.ep={ep} (each EP rank holds "
              f"num_experts / ep experts)")
     if errors:
-        raise ConfigError("impossible parallel layout:\n  - " + "\n  - ".join(errors))
+        raise ConfigError.listing("impossible parallel layout", errors)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=rpn,
                     sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb, ep=ep, cp=cp)
     sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}

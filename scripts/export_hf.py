@@ -362,7 +362,7 @@ def read_settings(step_dir: Path) -> Tuple[Dict[str, Any], Dict[str, Any]]:
         raise HFError(f"{meta_file}: invalid model config ({key + ': ' if key and key not in msg else ''}{msg})") \
             from None
     except ConfigError as e:
-        problems = str(e).replace("invalid configuration:\n  - ", "").replace("\n  - ", "; ")
+        problems = "; ".join(e.problems or [str(e)])
         raise HFError(f"{meta_file}: invalid model config ({problems})") from None
     return meta, dataclasses.asdict(cfg.model)
 

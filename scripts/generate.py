@@ -98,7 +98,7 @@ def build_config(meta: Dict[str, Any], device: str, source: Path = Path("meta.js
     try:
         validate_config(cfg)
     except ConfigError as e:
-        problems = str(e).replace("invalid configuration:\n  - ", "").replace("\n  - ", "; ")
+        problems = "; ".join(e.problems or [str(e)])
         raise GenerateError(f"{source}: invalid config ({problems})") from None
     return cfg
 
