@@ -5,13 +5,14 @@ Every run is the real trainer (train.main in-process) on the tiny config and the
 with an uninterrupted run in one process.
 """
 import os
+import re
 import shutil
 
 import pytest
 import torch
 
 import train
-from tests.test_failures import SAMPLE
+from tests.test_failures import SAMPLE, _digests
 from tests.test_reliability import ckpt_names, run_inprocess
 from tests.test_train_e2e import FAST, assert_same_curve, losses_by_step, records
 
@@ -194,3 +195,123 @@ def test_stopping_before_any_step_was_taken_saves_nothing(tmp_path, capsys, monk
     assert "every step since the start (steps 1-2) had non-finite gradients (last loss" in out
     assert "nothing saved" in out and "stopped at step 2 (signal)" in out
     assert not list((run_dir / "checkpoints").glob("step_*"))
+
+
+# -- 5. what a checkpoint must share with the run (issue 53): one line naming the setting and both values, exit 2,
+# found before anything is created; what would work is named, and works when followed ------------------------------
+MOE = ["model.moe.num_experts=4", "model.moe.ffn_hidden=32"]
+
+
+def refused(capsys, keep, *args):
+    """train.main must exit 2 with one line and leave ``keep`` (a saved run) as it was; returns the line."""
+    before = _digests(keep)
+    rc, out, err = run_inprocess(capsys, *args)
+    assert rc == 2, out[-2000:]
+    assert err.startswith("error: ") and err.count("\n") == 1, err
+    assert _digests(keep) == before
+    return err
+
+
+@pytest.fixture(scope="module")
+def dense_run(tmp_path_factory):
+    run_dir = tmp_path_factory.mktemp("dense") / "run"
+    assert train.main([*COMMON, "train.max_steps=2", f"logging.run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+@pytest.fixture(scope="module")
+def moe_run(tmp_path_factory):
+    """A run with 4 experts (top_k 2, softmax router, renormalised gates: the config's defaults) saved at step 2."""
+    run_dir = tmp_path_factory.mktemp("moe") / "run"
+    assert train.main([*COMMON, *MOE, "train.max_steps=2", f"logging.run_dir={run_dir}"]) == 0
+    return run_dir
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["model.moe.ffn_hidden=64"], "model.moe.ffn_hidden: checkpoint 32 vs config 64"),
+    (["model.moe.top_k=1"], "model.moe.top_k: checkpoint 2 vs config 1"),
+    (["model.moe.num_experts=8", "model.moe.shared_experts=1"],
+     "model.moe.num_experts: checkpoint 4 vs config 8, model.moe.shared_experts: checkpoint 0 vs config 1"),
+    (["model.moe.num_experts=0"], "model.moe.num_experts: checkpoint 4 vs config 0"),
+])
+def test_a_changed_moe_setting_is_named_with_both_values(moe_run, capsys, overrides, expected):
+    """Item 6: the differing model.moe keys, not the two whole model.moe records."""
+    err = refused(capsys, moe_run, *COMMON, *MOE, *overrides, "train.max_steps=3", f"logging.run_dir={moe_run}")
+    assert err.startswith(f"error: checkpoint {moe_run / 'checkpoints' / 'step_00000002'} was trained with a "
+                          f"different model ({expected})"), err
+    assert "{" not in err, err
+
+
+@pytest.mark.parametrize("setting,expected", [
+    ("model.moe.score=sigmoid", "model.moe.score: checkpoint 'softmax' vs config 'sigmoid'"),
+    ("model.moe.norm_topk=false", "model.moe.norm_topk: checkpoint True vs config False"),
+])
+def test_a_resume_refuses_a_changed_router_and_init_from_takes_it_saying_so(moe_run, tmp_path, capsys, setting,
+                                                                            expected):
+    """Item 5: a full resume refuses another router (as another top_k or RoPE); the weights start a new phase with
+    it through checkpoint.init_from, which names the change (as it names RoPE changes)."""
+    ckpt = moe_run / "checkpoints" / "step_00000002"
+    err = refused(capsys, moe_run, *COMMON, *MOE, setting, "train.max_steps=3", f"logging.run_dir={moe_run}")
+    assert err == (f"error: checkpoint {ckpt} was trained with a different model ({expected}); to change it, start "
+                   f"from its weights in a new run: logging.run_dir=<a new directory> checkpoint.init_from={ckpt} "
+                   f"(checkpoint.init_from is not read while {moe_run / 'checkpoints'} holds a checkpoint to "
+                   "resume)\n")
+    rc, out, err = run_inprocess(capsys, *COMMON, *MOE, setting, "train.max_steps=1",
+                                 f"logging.run_dir={tmp_path / 'new'}", f"checkpoint.init_from={ckpt}")
+    assert rc == 0, err
+    assert f"[train] MoE router changed from the checkpoint's: {expected}" in out.splitlines(), out
+
+
+def test_another_optimizer_is_refused_with_advice_that_works_when_followed(tmp_path, capsys):
+    """Item 4: a run directory holding a checkpoint of another optimizer, and checkpoint.load of one: the advice
+    is taken literally (the placeholder filled in), starts from the checkpoint's weights, and a requeue of the
+    followed command resumes its own progress; the old run is untouched throughout."""
+    run_dir = tmp_path / "run"
+    assert run_inprocess(capsys, *COMMON, "train.optimizer=muon", "train.max_steps=2",
+                         f"logging.run_dir={run_dir}")[0] == 0
+    ckpt = run_dir / "checkpoints" / "step_00000002"
+    for args, new in (([f"logging.run_dir={run_dir}"], tmp_path / "new"),
+                      ([f"logging.run_dir={tmp_path / 'loaded'}", f"checkpoint.load={ckpt}"], tmp_path / "loaded")):
+        err = refused(capsys, run_dir, *COMMON, "train.max_steps=4", *args)
+        assert (f"checkpoint {ckpt} was trained with train.optimizer=muon, this run uses train.optimizer=adamw: its "
+                "optimizer state does not carry over; start from its weights ") in err, err
+        advice = re.search(r"start from its weights (?:in a new run: )?(.*?)(?: \(|\n)", err).group(1)
+        if "checkpoint.load" in args[-1]:  # nothing to resume there: checkpoint.init_from instead of checkpoint.load
+            assert advice == f"with checkpoint.init_from={ckpt} in place of checkpoint.load", err
+            followed = [args[0], f"checkpoint.init_from={ckpt}"]
+        else:
+            assert advice == f"logging.run_dir=<a new directory> checkpoint.init_from={ckpt}", err
+            followed = advice.replace("<a new directory>", str(new)).split()
+        rc, out, err = run_inprocess(capsys, *COMMON, "train.max_steps=2", *followed)
+        assert rc == 0, err
+        assert f"[train] model weights from {ckpt} (checkpoint.init_from; step 2 there)" in out, out
+        rc, out, err = run_inprocess(capsys, *COMMON, "train.max_steps=3", *followed)  # requeued
+        assert rc == 0, err
+        assert f"resumed from {new / 'checkpoints' / 'step_00000002'} at step 2" in out, out
+
+
+@pytest.mark.parametrize("overrides,expected", [
+    (["checkpoint.load={ckpt}", "model.n_layers=3"], "was trained with a different model (model.n_layers: "
+                                                     "checkpoint 2 vs config 3)"),
+    (["checkpoint.load={ckpt}", "train.optimizer=muon"], "was trained with train.optimizer=adamw, this run uses "
+                                                         "train.optimizer=muon"),
+    (["checkpoint.load={ckpt}", "model.rope_theta=20000"], "was trained with a different model (model.rope_theta: "
+                                                           "checkpoint 10000.0 vs config 20000.0)"),
+    (["checkpoint.init_from={run}", "model.d_model=128"], "holds a different model (model.d_model: checkpoint 64 "
+                                                          "vs config 128"),
+    (["checkpoint.init_from={run}", "model.d_model=128", "checkpoint.dir={new}/elsewhere"],
+     "holds a different model (model.d_model: checkpoint 64 vs config 128"),
+    (["checkpoint.load={ckpt}", *MOE], "model.moe.num_experts: checkpoint 0 vs config 4"),
+    (["checkpoint.load={new}"], "checkpoint.load={new} does not exist"),
+], ids=["load_model", "load_optimizer", "load_rope", "init_from_model", "init_from_model_checkpoint_dir",
+        "load_dense_into_moe", "load_missing"])
+def test_a_refused_checkpoint_is_found_before_anything_is_created(dense_run, tmp_path, capsys, overrides, expected):
+    """Item 8: checkpoint.load / checkpoint.init_from refused at start-up, like a config error: no run directory,
+    lock or checkpoints/ is made (the run directory named here does not exist afterwards)."""
+    new = tmp_path / "new"
+    names = {"ckpt": dense_run / "checkpoints" / "step_00000002", "run": dense_run, "new": new}
+    args = [o.format(**names) for o in overrides]
+    err = refused(capsys, dense_run, *COMMON, "train.max_steps=3", f"logging.run_dir={new}", *args)
+    assert expected.format(**names) in err, err
+    assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
+

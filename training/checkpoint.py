@@ -49,7 +49,8 @@ from parallel import comm
 from training.checkpoint_files import (STEP_DIR, checkpoint_root, file_digest, file_problem,  # noqa: F401 (also
                                        find_checkpoint, read_manifest, verify)  # imported from here by the scripts)
 from training.checkpoint_rules import (MODEL_KEYS, MOE_KEYS, ROPE_KEYS, ROPE_SCALING_KEYS,  # noqa: F401 (model_record
-                                       model_mismatch, model_record)  # also imported from here by the scripts)
+                                       check_resume, check_weights, model_record,  # also imported from here by
+                                       resumable)  # the scripts)
 from training.engine import Engine
 from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_rng_file
 
@@ -334,15 +335,7 @@ class Checkpointer:
         refused with one line naming the tensor or file, on every rank. A resume (``with_optimizer``) into another
         precision says so on rank 0: FP8 scaling state is dropped (fp8 -> other) or starts fresh (other -> fp8)."""
         meta = self._read_meta(path, f"checkpoint {path}")
-        mismatched = model_mismatch(meta, self.cfg.model)
-        if mismatched:
-            raise CheckpointError(f"checkpoint {path} was trained with a different model ({', '.join(mismatched)})")
-        then = ((meta.get("config") or {}).get("train") or {}).get("optimizer", "adamw")
-        same_states = {then, self.cfg.train.optimizer} <= {"adamw", "adamw8bit"}  # both keep exp_avg(_sq), fp32
-        if with_optimizer and then != self.cfg.train.optimizer and not same_states:
-            raise CheckpointError(f"checkpoint {path} was trained with train.optimizer={then}, this run uses "
-                                  f"train.optimizer={self.cfg.train.optimizer}: its optimizer state does not carry "
-                                  f"over; start from its weights with checkpoint.init_from={path}")
+        check_resume(meta, self.cfg, path, resumable(self.cfg, self.dir), with_optimizer)  # model, optimizer
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
         run_fp8 = self.engine.fp8_scaling is not None
         # scales and amax histories exist where the linears cast to FP8 (not with 16-bit GEMMs: fp8.gemm); each
@@ -423,13 +416,12 @@ class Checkpointer:
         RNG stay fresh. The model settings the checkpoint records must equal the run's: those every checkpoint
         has, plus the normalisation epsilon and key/value heads where it records them (imports do). The rotary
         settings may differ (a long-context phase extends the context by RoPE scaling or a new base: they shape no
-        weight); those that do are returned as ``meta["rope_changes"]``, one phrase each. Returns its meta."""
+        weight), and so may the router's (model.moe top_k, score, norm_topk, routed_scale); those that do are
+        returned as ``meta["rope_changes"]`` and ``meta["router_changes"]``, one phrase each
+        (training/checkpoint_rules.py). Returns its meta."""
         meta = self._read_meta(path, f"{key}={path}")
-        mismatched = model_mismatch(meta, self.cfg.model, rope=False)
-        meta["rope_changes"] = [m for m in model_mismatch(meta, self.cfg.model) if m not in mismatched]
-        if mismatched:
-            raise CheckpointError(f"{key}={path} holds a different model ({', '.join(mismatched)}); "
-                                  "set the run's model.* to the checkpoint's (an import writes them to model.yaml)")
+        changes = check_weights(meta, self.cfg.model, path, key)
+        meta["rope_changes"], meta["router_changes"] = changes["rope"], changes["router"]
         tensors = self._tensors(for_load=True, with_optimizer=False, fp8=False)
         load_dcp(tensors, path)
         try:

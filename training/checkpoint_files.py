@@ -89,3 +89,23 @@ def find_checkpoint(path: Path, purpose: str) -> Path:
             return step_dir
         rejected.append((step_dir.name, problem))
     raise CheckpointError(f"no valid checkpoint in {root}: " + "; ".join(f"{n}: {p}" for n, p in rejected))
+
+
+def read_verified_meta(path: Path) -> Optional[Dict[str, Any]]:
+    """The meta.json of checkpoint ``path`` when its manifest lists it with the size and sha256 it has and it holds
+    a JSON object, else None; nothing else is hashed (start-up checks read it; loading verifies every file)."""
+    try:
+        problem, files = read_manifest(path)
+        entry = dict(files).get("meta.json")
+        if problem is not None or entry is None or file_problem(path / "meta.json", entry) is not None:
+            return None
+        meta = json.loads((path / "meta.json").read_text())
+    except (OSError, ValueError, KeyError, TypeError, AttributeError):  # not a checkpoint: the load names why
+        return None
+    return meta if isinstance(meta, dict) and isinstance(meta.get("model"), dict) else None
+
+
+def newest_with_meta(root: Path) -> Optional[Path]:
+    """The newest ``step_*`` checkpoint under ``root`` whose meta.json passes ``read_verified_meta``, or None."""
+    names = sorted((p.name for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
+    return next((root / n for n in names if read_verified_meta(root / n) is not None), None)

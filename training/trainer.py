@@ -34,6 +34,7 @@ from parallel.launch import LaunchError, init_distributed, pick_device, read_lau
 from parallel.layout import cp_spans, make_layout
 from parallel.mesh import Mesh
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
+from training.checkpoint_rules import check_init_from_path, check_start_checkpoint
 from training.engine import Engine
 from training.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
 from training.run_lock import RunLock, RunLockError
@@ -118,6 +119,7 @@ def run(cfg: Config, config_name: str = "default", stop: Optional[StopFlag] = No
         mesh = Mesh(layout, device)
         run_dir = _run_dir(cfg, config_name, mesh)
         ckpt_dir = Path(cfg.checkpoint.dir or run_dir / "checkpoints")
+        check_start(cfg, ckpt_dir, mesh)  # before anything is created: a refused checkpoint leaves nothing behind
         lock = _lock([run_dir, ckpt_dir], mesh)
         try:
             return _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop)
@@ -140,6 +142,23 @@ def _lock(dirs, mesh: Mesh) -> Optional[RunLock]:
     if error is not None:
         raise RunLockError(error)
     return lock
+
+
+def check_start(cfg: Config, ckpt_dir: Path, mesh: Mesh) -> None:
+    """The checkpoint the run will start from, checked by its meta.json against the run's model and optimizer
+    (training/checkpoint_rules.py check_start_checkpoint: the rules loading applies) before a run directory, lock or
+    checkpoints/ exists, so a refusal leaves nothing behind: rank 0 reads, every rank raises its one line."""
+    error = None
+    if mesh.rank == 0:
+        try:
+            check_start_checkpoint(cfg, ckpt_dir)
+        except CheckpointError as e:
+            error = str(e)
+        except Exception:  # noqa: BLE001 - unreadable here (the other ranks must not wait): the load names it
+            pass
+    error = comm.broadcast_object(error, 0, mesh.world)
+    if error is not None:
+        raise CheckpointError(error)
 
 
 def _resume(cfg: Config, ckpt: Checkpointer, mesh: Mesh) -> Tuple[Optional[Path], int, Optional[List[str]]]:
@@ -174,8 +193,7 @@ def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh, given: Path, key: st
     """A fresh run starts from the weights of a checkpoint (``key`` is the setting that names it), or of the newest
     valid one under a checkpoint root or run directory."""
     path: Optional[Path] = given
-    if not given.exists():
-        raise CheckpointError(f"{key}={given} does not exist")
+    check_init_from_path(given, key)
     if not (given / "meta.json").is_file():
         path = Checkpointer(cfg, str(checkpoint_root(given)), ckpt.engine).find_resumable(quarantine=False)
         if path is None:
@@ -188,6 +206,9 @@ def _init_from(cfg: Config, ckpt: Checkpointer, mesh: Mesh, given: Path, key: st
               "fresh optimizer, step 0", flush=True)
         if meta["rope_changes"]:
             print(f"[train] rotary embedding changed from the checkpoint's: {'; '.join(meta['rope_changes'])}",
+                  flush=True)
+        if meta["router_changes"]:
+            print(f"[train] MoE router changed from the checkpoint's: {'; '.join(meta['router_changes'])}",
                   flush=True)
 
 
