@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Callable, Optional
+from typing import Callable, Optional, Tuple
 
 OPTIMIZERS = ("adamw", "adafactor", "adamw8bit", "muon")
 """``train.optimizer``'s values; adamw is the default."""
@@ -21,8 +21,18 @@ MAX_QUANT_STATE_BLOCK = 1 << 20
 
 @dataclass
 class AdafactorConfig:
-    """torch.optim.Adafactor's settings (its defaults): factored second moments for matrices, a plain one for
-    vectors; the step size is min(train.lr's schedule, 1/sqrt(step)) times the parameter's RMS (at least eps2)."""
+    """torch.optim.Adafactor's arithmetic: factored second moments for matrices, a plain one for vectors; the step
+    size is min(relative step, 1/sqrt(step)) times the parameter's RMS (at least eps2). The relative step is
+    train.adafactor.lr under train.lr's schedule (warm-up, cosine: lr x schedule / train.lr)."""
+    lr: Optional[float] = None
+    """Adafactor's peak relative step (torch.optim.Adafactor's lr, a fraction of each parameter's RMS); null =
+    auto: train.lr / model.init_std (0.002 / 0.02 = 0.1 at the defaults), so that a weight of the initial RMS moves
+    by AdamW's step at the start. A number: torch's arithmetic with it (torch's own default is 1e-2, made for weights
+    of RMS ~1, a tenth of AdamW's step here)."""
+    weight_decay: Optional[float] = None
+    """Decoupled weight decay (torch's: the parameter times 1 - lr x weight_decay a step, lr the relative step; none
+    on norms and biases); null = auto: train.weight_decay x train.lr / Adafactor's lr (given or auto), so lr x decay
+    a step is AdamW's (a decay of 0.002 at the defaults). A number: used as given."""
     beta2_decay: float = -0.8
     """The second moment's decay: 1 - beta2 at step t is t ** beta2_decay (negative)."""
     eps1: Optional[float] = None
@@ -60,11 +70,46 @@ class MuonConfig:
     rows/cols)), needs a Muon-sized learning rate, ~0.02)."""
 
 
+def adafactor_settings(cfg) -> Tuple[float, float]:
+    """(peak relative step, weight decay) that Adafactor runs with: ``train.adafactor.lr`` and ``weight_decay``,
+    or for null what they derive from (``AdafactorConfig``). From the config alone, so every rank of every layout,
+    and a resume of the same config, has the same numbers."""
+    t, a = cfg.train, cfg.train.adafactor
+    lr = a.lr if a.lr is not None else t.lr / cfg.model.init_std
+    decay = a.weight_decay if a.weight_decay is not None else t.weight_decay * t.lr / lr
+    return lr, decay
+
+
+def adafactor_line(cfg) -> str:
+    """The start-up line: what Adafactor's relative step and weight decay are, and why."""
+    a = cfg.train.adafactor
+    lr, decay = adafactor_settings(cfg)
+    if a.lr is None:
+        what = (f"train.adafactor.lr=auto: {lr:.4g} = train.lr {cfg.train.lr:g} / model.init_std "
+                f"{cfg.model.init_std:g} (the weights' initial RMS: a step starts as AdamW's)")
+    else:
+        what = f"train.adafactor.lr={lr:g} (given)"
+    if a.weight_decay is None:
+        what += (f", weight_decay=auto: {decay:.4g} (lr x decay = train.lr x train.weight_decay, "
+                 f"{cfg.train.lr * cfg.train.weight_decay:.4g} a step)")
+    else:
+        what += f", weight_decay={decay:g} (given)"
+    return f"[train] adafactor: {what}; under train.lr's schedule"
+
+
 def validate_optimizer(cfg, need: Callable[[bool, str], None]) -> None:
     """The optimizer's checks, one line each, reported with the rest of ``validate_config``."""
     t = cfg.train
     # the names (train.optimizer, train.muon.adjust_lr) are checked with every string setting (schema.CHOICES)
     a, q, m = t.adafactor, t.adamw8bit, t.muon
+    need(a.lr is None or (math.isfinite(a.lr) and a.lr > 0),
+         f"train.adafactor.lr={a.lr} must be a number > 0, or null (auto: train.lr / model.init_std)")
+    need(a.weight_decay is None or (math.isfinite(a.weight_decay) and a.weight_decay >= 0),
+         f"train.adafactor.weight_decay={a.weight_decay} must be a number >= 0, or null (auto: lr x decay = AdamW's)")
+    init_std = cfg.model.init_std
+    need(t.optimizer != "adafactor" or a.lr is not None or (math.isfinite(init_std) and init_std > 0),
+         f"model.init_std={init_std} must be > 0 for train.adafactor.lr=null (auto: train.lr / model.init_std); "
+         "or set train.adafactor.lr")
     need(math.isfinite(a.beta2_decay) and a.beta2_decay < 0,
          f"train.adafactor.beta2_decay={a.beta2_decay} must be a negative number (1 - beta2 = step ** beta2_decay)")
     need(a.eps1 is None or (math.isfinite(a.eps1) and a.eps1 > 0),

@@ -19,6 +19,11 @@ one-process tensor, bit for bit), at the cost of each TP rank repeating the whol
 are ``train.adamw8bit.block_size`` consecutive elements of the piece this rank holds: they never straddle two
 tensors or two ranks' pieces, and a TP size other than 1 groups different elements into blocks than one process.
 
+Adafactor's relative step and weight decay are ``config.optimizer.adafactor_settings``'s (``train.adafactor.lr`` and
+``weight_decay``, or for null what they derive from ``train.lr``, ``train.weight_decay`` and ``model.init_std``),
+computed from the config alone, so every rank and ZeRO unit steps with the same numbers; a step's relative step is
+that lr times the schedule's fraction (lr / ``train.lr``).
+
 Checkpoints hold every state as a global tensor (``state_views``): Muon's momentum and 8-bit AdamW's moments
 shaped and split like the parameter (8-bit moments dequantized to fp32, re-quantized exactly on load: a block's
 absmax maps to a code of its own), Adafactor's factored statistics whole (every holder has the same).
@@ -36,6 +41,7 @@ from typing import Dict, List, Optional, Sequence, Set, Tuple
 
 import torch
 
+from config.optimizer import adafactor_settings
 from model.compile import backend as compile_backend
 from model.compile import enabled as compile_enabled
 from model.gpt import EMBEDDING
@@ -108,6 +114,8 @@ class TensorRules:
         for e in self.entries:
             e.rule = rule_of(self.t.optimizer, e.name, e.param.ndim, e.spec)
             e.state = self._new_state(e)
+        # Adafactor's peak relative step and weight decay, from the config (the same on every rank and resume)
+        self.adafactor_lr, self.adafactor_decay = adafactor_settings(cfg)
         shapes = {(tuple(e.param.shape), str(e.param.device)) for e in self.entries if e.rule == "adamw8bit"}
         self.compiled = bool(shapes) and compile_enabled(cfg, mesh.device)
         self._update8 = None
@@ -205,15 +213,19 @@ class TensorRules:
                 self._update8(e.param, g, e.state, self._scalars[bool(e.decay)], moment_maps(e.param.device), t.beta1,
                               t.beta2, t.eps, self.block)
             elif e.rule == "adafactor":
-                self._adafactor(e, g, lr, step, wd)
+                self._adafactor(e, g, lr, step, e.decay)
             else:
                 self._muon(e, g, lr, wd)
 
-    def _adafactor(self, e: Entry, g: torch.Tensor, lr: float, step: int, wd: float) -> None:
+    def _adafactor(self, e: Entry, g: torch.Tensor, lr: float, step: int, decay: bool) -> None:
+        """torch.optim.Adafactor's step at the relative step train.adafactor.lr x (lr / train.lr): the schedule's
+        fraction (exactly 1.0 at the peak, so a constant schedule steps at exactly train.adafactor.lr)."""
         from optimizers.adafactor import adafactor_step
         a = self.t.adafactor
+        relative = self.adafactor_lr * (lr / self.t.lr)
         whole, grad = self._whole(e, e.param), self._whole(e, g)
-        adafactor_step(whole, grad, e.state, step, lr, wd, a.beta2_decay, a.eps1, a.eps2, a.clip_threshold)
+        adafactor_step(whole, grad, e.state, step, relative, self.adafactor_decay if decay else 0.0, a.beta2_decay,
+                       a.eps1, a.eps2, a.clip_threshold)
         if whole is not e.param:
             e.param.copy_(self._own(e, whole))
 

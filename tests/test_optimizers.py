@@ -15,10 +15,12 @@ import torch
 from tests.dist_harness import run_world
 from tests.parallel_utils import batch_fn, build_engine, checkpoint_worker, tiny_config, train_worker
 
-SETTINGS = {"adafactor": ["train.optimizer=adafactor", "train.lr=5e-2"],
+SETTINGS = {"adafactor": ["train.optimizer=adafactor"],  # auto: relative step train.lr / model.init_std
             "adamw8bit": ["train.optimizer=adamw8bit", "train.adamw8bit.block_size=32"],
             "muon": ["train.optimizer=muon", "train.lr=1e-2"]}
 CONSTANT_LR = ["train.warmup_steps=0", "train.min_lr_ratio=1.0"]
+# against torch's own optimizer: Adafactor's lr and weight decay given, so torch.optim.Adafactor takes the same two
+EXPLICIT = {"adafactor": ["train.adafactor.lr=5e-2", "train.adafactor.weight_decay=0.1"]}
 
 
 # -- one process: against torch's optimizers ------------------------------------------------------------------
@@ -51,14 +53,14 @@ class _Leaves:
 def _torch_reference(kind: str, params: Dict[str, torch.nn.Parameter], cfg):
     """(optimizers, before_step, after_step) of torch's implementation of ``kind``."""
     t = cfg.train
-    def groups(items):
+    def groups(items, decay=t.weight_decay):
         items = list(items)
-        return [g for g in ({"params": [p for n, p in items if _decays(n, p)], "weight_decay": t.weight_decay},
+        return [g for g in ({"params": [p for n, p in items if _decays(n, p)], "weight_decay": decay},
                             {"params": [p for n, p in items if not _decays(n, p)], "weight_decay": 0.0})
                 if g["params"]]
-    if kind == "adafactor":
+    if kind == "adafactor":  # the explicit settings (EXPLICIT), under a constant schedule: lr is a.lr every step
         a = t.adafactor
-        opt = torch.optim.Adafactor(groups(params.items()), lr=t.lr, beta2_decay=a.beta2_decay,
+        opt = torch.optim.Adafactor(groups(params.items(), a.weight_decay), lr=a.lr, beta2_decay=a.beta2_decay,
                                     eps=(a.eps1, a.eps2), d=a.clip_threshold, foreach=False)
         return [opt], lambda: None, lambda: None
     assert kind == "muon"
@@ -121,8 +123,11 @@ def one_process_worker(kind: str, overrides: List[str], steps: int):
         ref.forward_backward(batch_fn(ref, step))
         before()
         for opt in opts:
-            for group in opt.param_groups:
-                group["lr"] = ref.lr_schedule(step)
+            if kind != "adafactor":  # Adafactor's: its own lr, the schedule constant (asserted)
+                for group in opt.param_groups:
+                    group["lr"] = ref.lr_schedule(step)
+            else:
+                assert ref.lr_schedule(step) == cfg.train.lr
             opt.step()
         after()
     return {"ours": {n: p.detach().clone() for n, p in engine.params.items()},
@@ -134,7 +139,7 @@ def test_one_process_equals_the_reference(kind):
     steps = 10
     # Muon's Newton-Schulz in bf16 products as torch's (on a CPU without bf16 matrix instructions ours otherwise
     # multiplies the bf16 values in fp32: other sums, ~1% of an update apart, tests/test_optimizers_math.py)
-    out = run_world(one_process_worker, 1, kind, SETTINGS[kind] + CONSTANT_LR, steps,
+    out = run_world(one_process_worker, 1, kind, SETTINGS[kind] + EXPLICIT.get(kind, []) + CONSTANT_LR, steps,
                     env={"GPT_CPU_GEMM": "native"})[0]
     assert out["losses"][-1] < out["losses"][0] - 0.05, "the run must learn, or equal parameters prove little"
     for name, ref in out["reference"].items():
@@ -255,6 +260,10 @@ def test_a_checkpoint_of_another_optimizer_is_refused_with_one_line(tmp_path):
     (["train.optimizer=adafactor", "zero.stage=3", "zero.partition=whole_tensor", "zero.hpz_size=2",
       "zero.quantized_weights=true"], "zero.early_step=true (on by default) steps AdamW early"),
     (["train.optimizer=adafactor", "train.adafactor.beta2_decay=0.5"], "train.adafactor.beta2_decay=0.5 must be"),
+    (["train.optimizer=adafactor", "train.adafactor.lr=0"], "train.adafactor.lr=0.0 must be a number > 0, or null"),
+    (["train.optimizer=adafactor", "train.adafactor.weight_decay=-1"],
+     "train.adafactor.weight_decay=-1.0 must be a number >= 0, or null"),
+    (["train.optimizer=adafactor", "model.init_std=0"], "model.init_std=0.0 must be > 0 for train.adafactor.lr=null"),
 ])
 def test_bad_values_are_one_line_and_exit_2(overrides, fragment, capsys):
     import train

@@ -20,6 +20,7 @@ from typing import Any, Callable, Dict, List, Optional, Tuple
 import torch
 
 from config import Config, ConfigError, compute_precision, fp8_operands
+from config.optimizer import adafactor_line
 from fp8.device import resolve_gemm, startup_line, triton_has_e4m3
 from fp8.scaling import Fp8Scaling
 from fp8.zero import Fp8DataParallel
@@ -89,6 +90,8 @@ class Engine:
         seq = seq // layout.tp if mesh.sequence_parallel else seq
         self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
         self.lr_schedule = LRSchedule(cfg.train)
+        if cfg.train.optimizer == "adafactor" and mesh.rank == 0:  # what its relative step is, and why
+            print(adafactor_line(cfg), flush=True)
         self.compute_dtype = COMPUTE_DTYPES[compute_precision(cfg)]
         self.scaler = LossScaler(cfg.loss_scale, enabled=self.compute_dtype == torch.float16)
         self.step = 0
