@@ -128,6 +128,8 @@ def _bias_worker():
 def test_other_optimizers_with_expert_parallelism(reference, optimizer):
     """Muon (each expert's matrices on their own) and Adafactor on an EP rank's experts, ZeRO-1 whole tensors."""
     chosen = [f"train.optimizer={optimizer}", "train.lr=1e-2"]
+    if optimizer == "adafactor":  # a relative step of 1e-2 (auto would be train.lr / model.init_std = 0.5)
+        chosen += ["train.adafactor.lr=1e-2", "train.adafactor.weight_decay=0.1"]
     one = run_world(moe_worker, 1, chosen, 3)[0]
     split = run_world(moe_worker, 2, chosen + ["zero.stage=1", "zero.partition=whole_tensor", "parallel.ep=2"], 3)
     assert split[-1]["losses"] == pytest.approx(one["losses"], rel=1e-5)
