@@ -333,12 +333,14 @@ GEMM_CHANGE = "resuming a precision=fp8 checkpoint with fp8.gemm={} as fp8.gemm=
     ("fp8", [FP8], None),
     ("fp8", [FP8, "fp8.gemm=bf16"], GEMM_CHANGE.format("fp8", "bf16", "its FP8 scales and amax histories are dropped")),
     ("fp8_bf16_gemm", [FP8], GEMM_CHANGE.format("bf16", "fp8", "FP8 scales and amax histories start fresh")),
-    ("fp8_bf16_gemm", [FP8, "fp8.gemm=fp16"], None)],
+    ("fp8_bf16_gemm", [FP8, "fp8.gemm=fp16"], GEMM_CHANGE.format("bf16", "fp16", "the fp16 loss scale starts fresh at "
+                                                                              "loss_scale.initial=65536"))],
     ids=["fp8_as_bf16", "bf16_as_fp8", "fp8_as_fp8", "fp8_gemm_as_bf16_gemm", "bf16_gemm_as_fp8_gemm",
          "bf16_gemm_as_fp16_gemm"])
 def test_resuming_in_another_precision_says_so_and_continues(request, tmp_path, saved, resumed, line):
-    """A resume into another precision or GEMM path (an A100 job moved to an H100) continues, saying on one line
-    what happens to the FP8 scaling state; mu and the FP8 optimizer state carry over between GEMM paths."""
+    """A resume into another precision or GEMM path (an A100 job moved to an H100 or a V100) continues, saying on
+    one line what happens to the FP8 scaling state and the fp16 loss scale; mu and the FP8 optimizer state carry
+    over between GEMM paths."""
     import math
     import shutil
 

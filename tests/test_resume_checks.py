@@ -4,6 +4,7 @@ the samples a data position stands for are refused; a run that never takes a ste
 Every run is the real trainer (train.main in-process) on the tiny config and the bundled corpus; curves are compared
 with an uninterrupted run in one process.
 """
+import json
 import os
 import re
 import shutil
@@ -12,6 +13,7 @@ import pytest
 import torch
 
 import train
+from config import load_config
 from tests.test_failures import SAMPLE, _digests
 from tests.test_reliability import ckpt_names, run_inprocess
 from tests.test_train_e2e import FAST, assert_same_curve, losses_by_step, records
@@ -315,3 +317,37 @@ def test_a_refused_checkpoint_is_found_before_anything_is_created(dense_run, tmp
     assert expected.format(**names) in err, err
     assert list(tmp_path.iterdir()) == [], list(tmp_path.rglob("*"))
 
+
+# -- 6. a resume into or out of fp16 compute: the loss scaler is the new precision's (issue 53 item 3) --------------
+FP16_INITIAL = load_config(None, []).loss_scale.initial  # the config's own value
+
+
+@pytest.mark.parametrize("saved,resumed", [
+    (["precision=bf16"], ["precision=fp16"]),
+    (["precision=fp16"], ["precision=bf16"]),
+    (["precision=fp8", "fp8.gemm=bf16"], ["precision=fp8", "fp8.gemm=fp16"]),
+    (["precision=fp8", "fp8.gemm=fp16"], ["precision=fp8", "fp8.gemm=fp8"]),
+], ids=["bf16_as_fp16", "fp16_as_bf16", "fp8_bf16_gemm_as_fp16_gemm", "fp8_fp16_gemm_as_fp8_gemm"])
+def test_a_resume_into_or_out_of_fp16_starts_that_precisions_loss_scale_and_says_so(tmp_path, capsys, saved, resumed):
+    """The resumed steps run at the loss scale a fresh run of the new precision starts at (loss_scale.initial for
+    fp16 compute, 1 otherwise), not at the checkpoint's (1 from bf16: fp16 gradients under 6e-8 flush to zero;
+    65536 from fp16: frozen in bf16's metrics), and one line says so."""
+    run_dir = tmp_path / "run"
+    assert run_inprocess(capsys, *COMMON, *saved, "train.max_steps=2", f"logging.run_dir={run_dir}")[0] == 0
+    then = json.loads((run_dir / "checkpoints" / "step_00000002" / "meta.json").read_text())["loss_scaler"]["scale"]
+    rc, out, err = run_inprocess(capsys, *COMMON, *resumed, "train.max_steps=3", f"logging.run_dir={run_dir}")
+    assert rc == 0, err
+    fp16_now = "precision=fp16" in resumed or "fp8.gemm=fp16" in resumed
+    [step3] = [r for r in records(run_dir) if r.get("step") == 3 and "loss" in r]
+    assert step3["loss_scale"] == (FP16_INITIAL if fp16_now else 1.0)
+    scale = (f"the fp16 loss scale starts fresh at loss_scale.initial={FP16_INITIAL:g}" if fp16_now else
+             f"its fp16 loss scale {then:g} is dropped (bf16 computes unscaled)")
+    if saved[0] == resumed[0]:  # fp8 -> fp8, another GEMM path
+        gemm = [s.split("=")[1] for s in saved + resumed if s.startswith("fp8.gemm=")]
+        scaling = "FP8 scales and amax histories start fresh; " if gemm[1] == "fp8" else ""
+        line = (f"resuming a precision=fp8 checkpoint with fp8.gemm={gemm[0]} as fp8.gemm={gemm[1]}: {scaling}{scale}; "
+                "mu and the FP8 optimizer state carry on")
+    else:
+        line = f"resuming a {saved[0]} checkpoint as {resumed[0]}: {scale}"
+    said = [s for s in out.splitlines() if "resuming a precision=" in s]
+    assert said == [f"[checkpoint] {line} (step_00000002)"], out

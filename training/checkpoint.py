@@ -38,13 +38,14 @@ import re
 import shutil
 import time
 from pathlib import Path
+from types import SimpleNamespace
 from typing import Any, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
 from torch.distributed.checkpoint.api import CheckpointException
 
-from config import Config, to_dict
+from config import Config, compute_precision, to_dict
 from parallel import comm
 from training.checkpoint_files import (STEP_DIR, checkpoint_root, file_digest, file_problem,  # noqa: F401 (also
                                        find_checkpoint, read_manifest, verify)  # imported from here by the scripts)
@@ -333,7 +334,8 @@ class Checkpointer:
         Nothing in it runs (see the module docstring). Impossible FP8 scaling values (a scale NaN, inf or <= 0,
         an amax history entry NaN, inf or < 0, mu outside its bounds) and RNG files that are not RNG states are
         refused with one line naming the tensor or file, on every rank. A resume (``with_optimizer``) into another
-        precision says so on rank 0: FP8 scaling state is dropped (fp8 -> other) or starts fresh (other -> fp8)."""
+        precision says so on rank 0: FP8 scaling state is dropped (fp8 -> other) or starts fresh (other -> fp8), and
+        the fp16 loss scale starts fresh (into fp16 compute: loss_scale.initial) or is dropped (out of it: 1)."""
         meta = self._read_meta(path, f"checkpoint {path}")
         check_resume(meta, self.cfg, path, resumable(self.cfg, self.dir), with_optimizer)  # model, optimizer
         saved_fp8 = meta.get("fp8") is not None  # a bf16 checkpoint has no FP8 scaling state: start it fresh
@@ -372,33 +374,37 @@ class Checkpointer:
         kind = meta.get("qwd_reference") or ("pending" if zero.get("stage") == 3 else "applied")
         self.engine.dp.after_load(**({"reference_loaded": True, "reference_kind": kind} if loaded_reference else {}))
         if with_optimizer:
-            self._restore_counters(meta, rng)
-            self._say_precision_change(meta, path)
+            scaler = self._restore_counters(meta, rng)
+            self._say_precision_change(meta, path, scaler)
         return meta
 
-    def _say_precision_change(self, meta: Dict[str, Any], path: Path) -> None:
-        """One line on rank 0 when a resume changes the precision (what happens to the FP8 scaling state)."""
+    def _say_precision_change(self, meta: Dict[str, Any], path: Path, scaler: Optional[str]) -> None:
+        """One line on rank 0 when a resume changes the precision or the GEMM path: what happens to the FP8 scaling
+        state, and to the fp16 loss scale (``scaler``) where fp16 compute starts or ends."""
         then = (meta.get("config") or {}).get("precision") or ("fp8" if meta.get("fp8") is not None else None)
-        now = self.cfg.precision
-        if self.mesh.rank == 0 and then == now == "fp8":
+        now, what = self.cfg.precision, []
+        if self.mesh.rank != 0 or then is None:
+            return
+        if then == now == "fp8":
             saved = bool(meta.get("fp8_scaling", True))
             gemm_then = ((meta.get("config") or {}).get("fp8") or {}).get("gemm", "fp8")
             if saved != self._has_scaling():
-                what = ("its FP8 scales and amax histories are dropped" if saved else
-                        "FP8 scales and amax histories start fresh")
+                what.append("its FP8 scales and amax histories are dropped" if saved else
+                            "FP8 scales and amax histories start fresh")
+            if what or scaler:
                 print(f"[checkpoint] resuming a precision=fp8 checkpoint with fp8.gemm={gemm_then} as fp8.gemm="
-                      f"{self.cfg.fp8.gemm}: {what}; mu and the FP8 optimizer state carry on ({path.name})",
-                      flush=True)
+                      f"{self.cfg.fp8.gemm}: {'; '.join(what + [scaler] if scaler else what)}; mu and the FP8 "
+                      f"optimizer state carry on ({path.name})", flush=True)
             return
-        if self.mesh.rank != 0 or then is None or then == now:
+        if then == now:
             return
-        what = ""
         if then == "fp8":
-            what = ": its FP8 scaling state (scales, amax histories, mu) is dropped"
+            what.append("its FP8 scaling state (scales, amax histories, mu) is dropped")
         elif now == "fp8":
-            what = ": FP8 scales, amax histories and mu start fresh"
-        print(f"[checkpoint] resuming a precision={then} checkpoint as precision={now}{what} ({path.name})",
-              flush=True)
+            what.append("FP8 scales, amax histories and mu start fresh")
+        what += [scaler] if scaler else []
+        print(f"[checkpoint] resuming a precision={then} checkpoint as precision={now}"
+              f"{': ' + '; '.join(what) if what else ''} ({path.name})", flush=True)
 
     def _read_meta(self, path: Path, what: str) -> Dict[str, Any]:
         """The meta.json of a checkpoint whose files pass verification (sizes and hashes) and whose format we read."""
@@ -435,13 +441,34 @@ class Checkpointer:
         self.engine.dp.after_load()
         return meta
 
-    def _restore_counters(self, meta: Dict[str, Any], rng: Optional[Dict[str, torch.Tensor]]) -> None:
-        """Step counters and loss scale from meta.json; this rank's RNG streams when the layout is unchanged."""
+    def _restore_counters(self, meta: Dict[str, Any], rng: Optional[Dict[str, torch.Tensor]]) -> Optional[str]:
+        """Step counters and loss scale from meta.json; this rank's RNG streams when the layout is unchanged.
+        Returns what happened to the loss scale when the checkpoint's scaler is not this precision's (fp16 compute
+        on one side only: it starts fresh, or is dropped), else None."""
         engine = self.engine
         engine.step = meta["step"]
         engine.skipped_steps = meta["skipped_steps"]
-        engine.scaler.load_state_dict(meta["loss_scaler"])
+        compute = _compute_precision(meta)  # states from before the scaler saved ``enabled``: on for fp16 compute
+        restored = engine.scaler.load_state_dict({"enabled": compute == "fp16" if compute else engine.scaler.enabled,
+                                                  **meta["loss_scaler"]})
         engine.dp.set_optimizer_steps(engine.step - engine.skipped_steps)
         if rng is not None and not engine.rng.load_state_dict(rng) and self.mesh.rank == 0:
             print("[checkpoint] the dropout RNG streams were saved on another kind of device (CUDA <-> CPU): "
                   "they restart from this run's seeding; everything else resumes exactly", flush=True)
+        if restored:
+            return None
+        if engine.scaler.enabled:
+            return f"the fp16 loss scale starts fresh at loss_scale.initial={engine.scaler.scale:g}"
+        return (f"its fp16 loss scale {float(meta['loss_scaler']['scale']):g} is dropped "
+                f"({compute_precision(self.cfg)} computes unscaled)")
+
+
+def _compute_precision(meta: Dict[str, Any]) -> Optional[str]:
+    """The compute precision of the run that wrote the checkpoint (config.compute_precision of its config), or None
+    where its config does not say."""
+    config = meta.get("config") or {}
+    precision = config.get("precision") or ("fp8" if meta.get("fp8") is not None else None)
+    if precision is None:
+        return None
+    return compute_precision(SimpleNamespace(precision=precision,
+                                             fp8=SimpleNamespace(gemm=(config.get("fp8") or {}).get("gemm", "fp8"))))

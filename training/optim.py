@@ -57,7 +57,14 @@ class LossScaler:
             self.clean_steps = 0
 
     def state_dict(self) -> Dict[str, float]:
-        return {"scale": self.scale, "clean_steps": self.clean_steps}
+        return {"scale": self.scale, "clean_steps": self.clean_steps, "enabled": self.enabled}
 
-    def load_state_dict(self, state: Dict[str, float]) -> None:
+    def load_state_dict(self, state: Dict[str, float]) -> bool:
+        """Restore a saved scaler of the same kind (both fp16's dynamic scaler, or both off) and return True. A
+        scaler that was on where this one is off, or off where this one is on (a resume into or out of fp16
+        compute), is not this precision's: this one stays as built (loss_scale.initial for fp16, else 1) and
+        False is returned. ``enabled`` is in states saved since issue 53; for older ones the caller adds it."""
+        if bool(state.get("enabled", self.enabled)) != self.enabled:
+            return False
         self.scale, self.clean_steps = float(state["scale"]), int(state["clean_steps"])
+        return True
