@@ -206,11 +206,12 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
          f"tensor parallelism would span nodes: parallel.tp={tp} does not divide parallel.ranks_per_node={rpn}")
     ep, experts = par.ep, m.moe.num_experts
     need(ep >= 1, f"parallel.ep={ep} must be >= 1")
-    if ep > 1:
-        need(experts > 0, f"parallel.ep={ep} needs routed experts (model.moe.num_experts > 0)")
+    if ep > 1 and experts <= 0:  # (the sizes below would only repeat it)
+        need(False, f"parallel.ep={ep} needs routed experts (model.moe.num_experts > 0)")
+    elif ep > 1:
         need(dp % ep == 0, f"parallel.ep={ep} does not divide the data-parallel size {dp} (world {world_size} / "
                            f"(tp={tp} x pp={pp}))")
-        need(experts <= 0 or experts % ep == 0,
+        need(experts % ep == 0,
              f"model.moe.num_experts={experts} is not divisible by parallel.ep={ep} (each EP rank holds "
              f"num_experts / ep experts)")
     if errors:
