@@ -34,7 +34,8 @@ class MoeConfig:
     """Shared experts every token passes through, added to the routed output (DeepSeek's plain ones; Qwen2-MoE's
     one, gated by model.moe.shared_gate); computed as one FFN of width model.moe.shared_ffn_hidden. 0 = none."""
     shared_ffn_hidden: Optional[int] = None
-    """Hidden size of the shared experts' one FFN; null = the routed experts' width x model.moe.shared_experts."""
+    """Hidden size of the shared experts' one FFN; null = the routed experts' width x model.moe.shared_experts.
+    Either way at most 2**19 (config.MAX_EXPERT_FFN)."""
     shared_gate: bool = False
     """Multiply the shared experts' output by sigmoid(x . w), w a learned [d_model] vector (Qwen2-MoE)."""
     layer_freq: int = 1
@@ -54,7 +55,9 @@ class MoeConfig:
     capacity_factor: Optional[float] = None
     """null = dropless (every token reaches its top_k experts). A number c caps each expert at
     ceil(c x tokens x top_k / num_experts) token-slots per forward, the first ones in token order; a dropped slot
-    contributes nothing (its token keeps the residual and its other experts) and is counted."""
+    contributes nothing (its token keeps the residual and its other experts) and is counted. An expert receives at
+    most one slot per token, so a capacity of the token count or more (c >= num_experts / top_k, 1e30 included)
+    drops nothing: it is dropless."""
     aux_loss_coeff: float = 0.0
     """Weight of the Switch/GShard load-balancing loss num_experts x sum_e f_e P_e (f_e: fraction of token-slots
     routed to e, P_e: mean router probability of e; 1 when balanced); 0 = off (Mixtral used 0.02, Megatron 1e-2)."""
@@ -109,7 +112,14 @@ def validate_moe(cfg, need: Callable[[bool, str], None]) -> None:
          f"parallel.ep={ep} with ZeRO++ ({', '.join(zeropp)}) is not built: its node-local groups and quantized "
          f"collectives span the whole data-parallel group, the routed experts shard over dp / ep ranks")
     tp = cfg.parallel.tp
-    shared = e.shared_ffn_hidden if e.shared_ffn_hidden is not None else \
-        (e.ffn_hidden if e.ffn_hidden is not None else m.ffn_size) * e.shared_experts
+    routed = e.ffn_hidden if e.ffn_hidden is not None else m.ffn_size
+    shared = e.shared_ffn_hidden if e.shared_ffn_hidden is not None else routed * e.shared_experts
+    # the derived width has the ceiling of one given as model.moe.shared_ffn_hidden (checked above; a routed width
+    # or an expert count out of range is named above too)
+    need(e.shared_ffn_hidden is not None or not (0 < e.shared_experts <= MAX_EXPERTS and 1 <= routed <= MAX_EXPERT_FFN)
+         or shared <= MAX_EXPERT_FFN,
+         f"model.moe.shared_experts={e.shared_experts} makes the shared experts' width {e.shared_experts} x {routed} "
+         f"(the routed experts' width) = {shared}, above 2**19 (config.MAX_EXPERT_FFN; or set "
+         f"model.moe.shared_ffn_hidden)")
     need(e.shared_experts == 0 or shared % tp == 0,
          f"the shared experts' width {shared} (model.moe.shared_ffn_hidden) is not divisible by parallel.tp={tp}")

@@ -328,10 +328,12 @@ class MoE(nn.Module):
 
     def capacity(self, tokens: int) -> Optional[int]:
         """Token-slots each expert keeps per forward of ``tokens`` tokens: ceil(factor x tokens x k / E); None
-        when dropless."""
+        when dropless: with no factor, and with a capacity of ``tokens`` or more, which drops nothing (a token
+        sends at most one slot to an expert), however large the factor (1e30: ``tokens`` x 1e30 is no int64)."""
         if self.capacity_factor is None:
             return None
-        return math.ceil(self.capacity_factor * tokens * self.top_k / self.num_experts)
+        slots = self.capacity_factor * tokens * self.top_k / self.num_experts  # a float: inf beyond 1.8e308
+        return math.ceil(slots) if slots < tokens else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         s, b, h = x.shape

@@ -137,6 +137,30 @@ def test_capacity_drops_the_first_come_slots_in_token_order_and_counts_them(grou
     assert int(m.dropped_slots) == 2 * dropped and torch.equal(m.load, 2 * counts)
 
 
+@pytest.mark.parametrize("grouped", PATHS)
+def test_a_capacity_of_the_token_count_or_more_is_dropless(grouped):
+    """model.moe.capacity_factor=1e30 passed validation and the first forward died (OverflowError: int too big to
+    convert, making the capacity tensor). An expert receives at most one slot per token, so a capacity of the
+    token count or more drops nothing: the block is the dropless one, bit for bit, and the float64 reference's."""
+    x = tokens()
+    dropless = build(shared_experts=1)
+    dropless.experts.grouped = grouped
+    want = dropless(x)
+    close(want, reference(dropless, x)[0])
+    T = S * B
+    for factor in (1e30, 1e308, 4 / 2, 1.99):  # 4 / 2 = E / k: exactly T slots; 1.99: ceil(11.94) = T
+        m = build(shared_experts=1, capacity_factor=factor)
+        m.experts.grouped = grouped
+        assert torch.equal(m(x), want) and int(m.dropped) == 0, factor
+    assert build(capacity_factor=1.99).capacity(T) == T and build(capacity_factor=1.8).capacity(T) == T - 1
+    # the capacity path at exactly T slots keeps every one: the same output as the dropless path
+    flat = x.reshape(-1, D)
+    routing = dropless.router(flat)
+    y_capped, kept = dropless.experts(flat, routing.experts, routing.gates, T)
+    y_dropless, _ = dropless.experts(flat, routing.experts, routing.gates, None)
+    assert kept.all() and torch.equal(y_capped, y_dropless)
+
+
 def test_the_expert_bias_changes_selection_only_and_moves_by_the_sign_rule():
     m = build(score="sigmoid", norm_topk=True, bias_update_rate=1e-3)
     flat = tokens().reshape(-1, D)
@@ -245,6 +269,8 @@ def test_moe_config_checks_and_layer_choice():
         return found
 
     assert problems() == [] and problems(num_experts=8, top_k=2, shared_experts=1, shared_gate=True) == []
+    assert problems(num_experts=4, ffn_hidden=64, shared_experts=8192) == []  # 64 x 8192: the ceiling 2**19
+    assert problems(num_experts=4, shared_experts=1365) == []  # 384 x 1365 = 524160
     for bad, key in [(dict(num_experts=-1), "num_experts"), (dict(num_experts=4, top_k=5), "top_k"),
                      (dict(num_experts=4, top_k=0), "top_k"), (dict(num_experts=4, capacity_factor=0.0), "capacity"),
                      (dict(num_experts=4, capacity_factor=float("nan")), "capacity"),
@@ -254,6 +280,11 @@ def test_moe_config_checks_and_layer_choice():
                      (dict(num_experts=4, layer_freq=0), "layer_freq"), (dict(num_experts=4, first_dense=4), "first"),
                      (dict(num_experts=4, shared_gate=True), "shared_experts"),
                      (dict(num_experts=4, ffn_hidden=0), "ffn_hidden"),
+                     (dict(num_experts=4, shared_experts=1, shared_ffn_hidden=2**19 + 1),
+                      "model.moe.shared_ffn_hidden=524289"),
+                     # the width derived from shared_experts has the same ceiling (the default width: 384)
+                     (dict(num_experts=4, shared_experts=8192), "model.moe.shared_experts=8192"),
+                     (dict(num_experts=4, shared_experts=1366), f"= {1366 * 384}, above 2**19"),
                      (dict(num_experts=4, routed_scale=0.0), "routed_scale")]:
         found = problems(**bad)
         assert len(found) == 1 and key in found[0], (bad, found)

@@ -148,6 +148,16 @@ def test_bias_moves_against_the_load_and_is_reported():
     assert bias.sum().abs().item() < 0.05  # overloaded experts go down, idle ones up
 
 
+def test_a_capacity_factor_of_1e30_trains_as_dropless(reference):
+    """It passed validation and the first forward died (OverflowError: int too big to convert) after the run
+    directory was made: a capacity of the token count or more drops nothing, so the run is the dropless one."""
+    huge = run_world(moe_worker, 1, ["model.moe.capacity_factor=1e30"], STEPS)[0]
+    assert huge["losses"] == reference["losses"] and huge["val"] == reference["val"]
+    assert all(r["dropped_frac"] == 0.0 for r in huge["records"])
+    assert huge["grads"].keys() == reference["grads"].keys()
+    assert all(torch.equal(huge["grads"][n][-1], reference["grads"][n][-1]) for n in huge["grads"])
+
+
 @pytest.fixture(scope="module")
 def capacity_reference() -> Dict[str, Any]:
     return run_world(moe_worker, 1, ["model.moe.capacity_factor=0.5"], 2)[0]
@@ -222,17 +232,23 @@ def test_expert_bias_is_saved_and_a_dense_checkpoint_is_refused(tmp_path):
     (["model.moe.num_experts=4", "parallel.ep=2"], "parallel.ep=2 does not divide the data-parallel size 1"),
     (["model.moe.num_experts=4", "model.moe.capacity_factor=0"], "model.moe.capacity_factor=0"),
     (["model.moe.num_experts=4", "model.moe.capacity_factor=-1.5"], "model.moe.capacity_factor=-1.5"),
+    (["model.moe.num_experts=4", "model.moe.capacity_factor=inf"], "model.moe.capacity_factor=inf"),
+    (["model.moe.num_experts=4", "model.moe.capacity_factor=nan"], "model.moe.capacity_factor=nan"),
+    # the shared experts' derived width (8192 x the tiny model's 384) has model.moe.shared_ffn_hidden's ceiling
+    (["model.moe.num_experts=4", "model.moe.shared_experts=8192"],
+     f"model.moe.shared_experts=8192 makes the shared experts' width 8192 x 384 (the routed experts' width) = "
+     f"{8192 * 384}, above 2**19"),
     (["parallel.ep=2"], "parallel.ep=2 needs routed experts"),
     (["model.moe.num_experts=4", "parallel.ep=2", "zero.stage=3", "zero.hpz_size=2"],
      "parallel.ep=2 with ZeRO++ (zero.hpz_size) is not built"),
 ])
-def test_bad_settings_are_one_line_and_exit_2(overrides, fragment, capsys):
+def test_bad_settings_are_one_line_and_exit_2(overrides, fragment, capsys, tmp_path):
     import train
 
-    assert train.main(overrides + ["train.max_steps=1"]) == 2
-    err = capsys.readouterr().err
-    lines = [line for line in err.splitlines() if fragment in line]
-    assert len(lines) == 1 and "Traceback" not in err, err
+    assert train.main(overrides + ["train.max_steps=1", f"logging.run_dir={tmp_path / 'run'}"]) == 2
+    lines = capsys.readouterr().err.splitlines()
+    assert len(lines) == 1 and lines[0].startswith("error: ") and fragment in lines[0], lines
+    assert not (tmp_path / "run").exists()
 
 
 def test_experts_not_divisible_by_ep_is_refused_by_the_layout():
