@@ -249,7 +249,11 @@ def _config(tmp_path: Path, **changes) -> Path:
 @pytest.mark.parametrize("changes,expected", [
     ({"rope_parameters": {"rope_type": "yarn", "rope_theta": 500000.0, "factor": 8.0}},
      'rope_parameters.rope_type="yarn" (only default, linear and llama3 RoPE are supported)'),
-    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}}, 'rope_scaling.rope_type="dynamic"'),
+    # transformers 4's legacy "type" is named as the file spells it (it was named rope_type, a key not in the file)
+    ({"rope_scaling": {"type": "dynamic", "factor": 2.0}},
+     'rope_scaling.type="dynamic" (only default, linear and llama3 RoPE are supported)'),
+    ({"rope_scaling": {"type": "foo"}}, 'rope_scaling.type="foo" (only default'),
+    ({"rope_parameters": {"type": "yarn", "rope_theta": 500000.0, "factor": 8.0}}, 'rope_parameters.type="yarn"'),
     ({"rope_parameters": {"rope_type": "llama3", "rope_theta": 500000.0, "factor": 8.0}},
      "rope_parameters.low_freq_factor=null is not a finite number above 0"),
     ({"head_dim": 33}, "head_dim=33 is odd"),
@@ -264,7 +268,7 @@ def _config(tmp_path: Path, **changes) -> Path:
     ({"attention_bias": True}, "attention_bias=True with mlp_bias=False"),
     ({"hidden_size": None}, "lacks a positive integer hidden_size"),
     ({"intermediate_size": 128}, "mlp.gate_proj.weight has shape (96, 64), config.json implies (128, 64)"),
-], ids=["rope_yarn", "rope_dynamic_v4", "rope_llama3_incomplete", "head_dim_odd", "gelu", "gemma2", "qwen3_qk_norm",
+], ids=["rope_yarn", "rope_dynamic_v4", "rope_foo_v4", "rope_yarn_type", "rope_llama3_incomplete", "head_dim_odd", "gelu", "gemma2", "qwen3_qk_norm",
         "mistral_sliding", "qwen2_sliding", "moe", "bias_mismatch", "no_hidden_size", "wrong_shapes"])
 def test_unsupported_or_inconsistent_models_are_refused_with_the_reason(tmp_path, capsys, changes, expected):
     d = _config(tmp_path, **changes)

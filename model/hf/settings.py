@@ -77,7 +77,7 @@ def _rope(cfg: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
         if not isinstance(rope, dict):
             problems.append(f"{key}={_json(rope)} is not a mapping")
             continue
-        found.append((key, rope.get("rope_type", rope.get("type", "default")), rope))
+        found.append((key, rope.get("rope_type", rope.get("type", "default")), rope))  # as transformers reads it
     given = {key: rope for key, _, rope in found}
     thetas = (given.get("rope_parameters", {}).get("rope_theta"), cfg.get("rope_theta"),
               given.get("rope_scaling", {}).get("rope_theta"))  # transformers 5's first, as it reads them
@@ -88,8 +88,9 @@ def _rope(cfg: Mapping[str, Any]) -> Tuple[Dict[str, Any], List[str]]:
         problems.append(f"rope_parameters={_json(scaled[0][2])} and rope_scaling={_json(scaled[1][2])} disagree")
     settings: Dict[str, Any] = {"rope_theta": float(theta if theta is not None else 10000.0)}
     key, kind, rope = scaled[0] if scaled else (found[0] if found else ("rope_parameters", "default", {}))
-    if kind not in ROPE_TYPES:
-        problems.append(f"{key}.rope_type={_json(kind)} (only default, linear and llama3 RoPE are supported)")
+    if kind not in ROPE_TYPES:  # named as the file spells it: transformers 4's configs may say "type"
+        name = "rope_type" if "rope_type" in rope else "type"
+        problems.append(f"{key}.{name}={_json(kind)} (only default, linear and llama3 RoPE are supported)")
         return settings, problems
     params = dict(rope)
     if kind == "llama3" and params.get("original_max_position_embeddings") is None:
