@@ -27,6 +27,8 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
+from tests.test_train_e2e import run_forked
+from tests.test_scripts_bad_input import run_as_python
 from training.checkpoint import verify
 from training.safe_load import CheckpointError, read_dcp_metadata
 
@@ -34,13 +36,13 @@ ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "scripts"))
 import export_hf  # noqa: E402
 
-pytestmark = pytest.mark.slow  # train.py runs in a subprocess
+pytestmark = pytest.mark.slow  # train.py runs (train.main on a forked rank)
 
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "train.global_batch_size=4",
          "train.micro_batch_size=2", "logging.wandb.mode=disabled", "train.eval_interval=0", "device=cpu"]
 STEP = "step_00000002"
 FORBIDDEN = f"{os.system.__module__}.{os.system.__name__}"  # how pickle names os.system (posix.system on Linux)
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PLANTED = {"metadata": ".metadata", "rng": "rng_rank00000.pt"}
 
 
@@ -55,8 +57,14 @@ class Touch:
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
+    """``python train.py args`` (``train.main`` on a forked rank: nothing here is about the launch) or ``python
+    scripts/generate.py args`` (forked from the preloaded forkserver): no fresh interpreter importing torch."""
+    if args[0] == "train.py":
+        return run_forked(*args[1:])
     env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
+    proc, late = run_as_python(list(args), ROOT, env, 300)
+    assert not late, proc.stderr
+    return proc
 
 
 @pytest.fixture(scope="module")
