@@ -43,7 +43,7 @@ def parse_args(argv):
     ap.add_argument("--json", action="store_true", help="one JSON object per layout, one per line")
     ap.add_argument("--calibrate", metavar="FILE", help="measurements in place of the table's figures")
     ap.add_argument("overrides", nargs="*", metavar="KEY=VALUE")
-    return ap.parse_args(argv)
+    return ap.parse_intermixed_args(argv)  # key=value overrides may come between the options
 
 
 def cluster_of(args, cfg):
