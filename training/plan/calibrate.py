@@ -66,25 +66,100 @@ def apply(cluster: Cluster, item: dict, path: str = "") -> Cluster:
 
 
 def measure_cpu(cluster: Cluster, cfg, seconds: float = 2.0) -> Cluster:
-    """The cpu kind's figures measured here: GEMM TFLOP/s at the model's MLP shape, copy bandwidth; per rank
-    (the machine's / the cluster's ranks, which share it)."""
+    """The cpu kind's figures measured here, per rank: GEMM TFLOP/s at the model's MLP shape in the dtype the
+    trainer multiplies in on this CPU (``parallel/cpu_gemm.py``: fp32 upcasts where the CPU has no 16-bit matrix
+    instructions) and copy bandwidth, on the threads a rank gets (the emulated cluster's ranks run one thread each
+    and share this machine's cores: a rank's rate is a thread's x cores / ranks when there are more ranks)."""
+    import os
+
     import torch
+
+    from parallel.cpu_gemm import upcasts
 
     m = cfg.model
     dtype = torch.float32 if cfg.precision == "fp32" else torch.bfloat16
+    if dtype != torch.float32 and upcasts(dtype):
+        dtype = torch.float32
+    cores = len(os.sched_getaffinity(0)) if hasattr(os, "sched_getaffinity") else (os.cpu_count() or 1)
+    ranks = max(cluster.gpus, 1)
+    threads = max(cores // ranks, 1)
+    share = min(1.0, cores / (ranks * threads))
     tokens = max(min(cfg.train.micro_batch_size * m.seq_len // max(cfg.parallel.cp, 1), 4096), 1)
     t = max(cfg.parallel.tp, 1)
     a = torch.randn(tokens, m.d_model, dtype=dtype)
     b = torch.randn(m.d_model, max(m.ffn_size // t, 1), dtype=dtype)
     flops = 2.0 * a.shape[0] * a.shape[1] * b.shape[1]
-    rate = _rate(lambda: a @ b, flops, seconds / 2)
-    x = torch.empty(2**24, dtype=torch.float32)
+    x = torch.empty(2**22, dtype=torch.float32)
     y = torch.empty_like(x)
-    bandwidth = _rate(lambda: y.copy_(x), 2 * 4.0 * x.numel(), seconds / 4)
-    share = max(cluster.gpus, 1)
-    dev = dataclasses.replace(cluster.device, peak_tflops=rate / share / 1e12, gemm_ceiling=1.0,
-                              memory_gbps=bandwidth / share / 1e9 / 0.9)
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        rate = _rate(lambda: a @ b, flops, seconds / 2) * share
+        bandwidth = _rate(lambda: y.copy_(x), 2 * 4.0 * x.numel(), seconds / 4) * share
+    finally:
+        torch.set_num_threads(before)
+    dev = dataclasses.replace(cluster.device, peak_tflops=rate / 1e12, gemm_ceiling=1.0,
+                              memory_gbps=bandwidth / 1e9 / 0.9)
+    out = dataclasses.replace(cluster, device=dev)
+    step = measure_cpu_step(cfg, threads, seconds) if _small(cfg) else None
+    if step is None:
+        return out
+    from parallel.layout import make_layout
+    from training.plan.step import micro_batch_compute
+
+    cfg1 = dataclasses.replace(cfg, parallel=dataclasses.replace(cfg.parallel, tp=1, pp=1, cp=1, ep=1,
+                                                                 virtual_stages=1, sequence_parallel=False),
+                               zero=dataclasses.replace(cfg.zero, stage=0, hpz_size=1, quantized_weights=False,
+                                                        quantized_gradients=False, weight_delta=False),
+                               train=dataclasses.replace(cfg.train, global_batch_size=cfg.train.micro_batch_size))
+    modelled = micro_batch_compute(cfg1, make_layout(cfg1, 1, 1), out)
+    slower = step / share / modelled  # the GEMM and copy rates at the measured step's pace
+    dev = dataclasses.replace(dev, peak_tflops=dev.peak_tflops / slower, memory_gbps=dev.memory_gbps / slower)
     return dataclasses.replace(cluster, device=dev)
+
+
+MAX_MEASURED_PARAMETERS = 200_000_000
+"""A model up to this size is run for one micro-batch on this CPU (``measure_cpu_step``); a larger one keeps the
+GEMM and copy rates alone."""
+
+
+def _small(cfg) -> bool:
+    from training.plan.costs import parameters
+
+    return parameters(cfg)["total"] <= MAX_MEASURED_PARAMETERS
+
+
+def measure_cpu_step(cfg, threads: int, seconds: float) -> Optional[float]:
+    """Seconds of one micro-batch's forward and backward of the whole model (``model.gpt.build_chunks``, one
+    process, ``threads`` threads, the config's precision under autocast as the trainer runs it on CPU): what the
+    GEMM rate alone misses on a CPU -- the per-operation overhead of small layers, the loss, autograd."""
+    import torch
+
+    from model.gpt import build_chunks
+    from model.layers import TPContext
+    from parallel.comm import Group, Ledger
+    from parallel.random import RNGTracker
+
+    cpu = torch.device("cpu")
+    alone = Group("tp", None, [0], 0, "intra", Ledger())
+    ctx = TPContext(alone, False, RNGTracker(cpu, cfg.train.seed, 0, 0, 0))
+    model_cfg = dataclasses.replace(cfg.model, activation_checkpointing="off")
+    [model] = build_chunks(model_cfg, ctx, 1, 1, 0, cfg.train.seed, cpu)
+    b, s = cfg.train.micro_batch_size, cfg.model.seq_len
+    tokens = torch.randint(0, cfg.model.vocab_size, (b, s))
+    dtype = {"bf16": torch.bfloat16, "fp16": torch.float16}.get(cfg.precision)
+
+    def once():
+        with torch.autocast("cpu", dtype=dtype, enabled=dtype is not None):
+            loss = model(tokens, tokens)
+        loss.backward()
+
+    before = torch.get_num_threads()
+    torch.set_num_threads(threads)
+    try:
+        return _rate(once, 1.0, seconds / 2) ** -1
+    finally:
+        torch.set_num_threads(before)
 
 
 def _rate(fn, work: float, budget: float) -> float:

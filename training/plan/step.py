@@ -17,7 +17,7 @@ Each hiding is bounded by formulas.OVERLAP of its window.
 """
 from __future__ import annotations
 
-from typing import Dict
+from typing import Dict, Optional
 
 from config import Config
 from parallel.layout import Layout, kv_replicas
@@ -99,28 +99,38 @@ def group_span(group: str, layout: Layout, g: int):
     return dp, per_node_dp
 
 
-def group_time(group: str, nbytes: float, calls: float, layout: Layout, cluster: Cluster) -> float:
-    """Seconds for this rank's ``nbytes`` on ``group`` in ``calls`` collectives (formulas.ring_time's model): inside
-    a node over NVLink; across nodes the node's NICs shared by the node's ranks that send at once (one ring per
-    group crosses each node boundary; groups with one member per node all cross), plus the NVLink hop."""
+def group_parts(group: str, nbytes: float, calls: float, layout: Layout, cluster: Cluster):
+    """(NVLink seconds, NIC seconds, latency seconds) of this rank's ``nbytes`` on ``group`` in ``calls``
+    collectives (formulas.ring_time's model): inside a node over NVLink; across nodes over the node's NICs, shared
+    by the node's ranks that send at once (one ring per group crosses each node boundary; groups with one member
+    per node all cross), with the NVLink hop of the members that share a node."""
     if nbytes <= 0:
-        return 0.0
+        return 0.0, 0.0, 0.0
     g = cluster.gpus_per_node
     intra_Bps = cluster.intra_node_Bps * (ZERO_INTRA_EFFICIENCY if group in PARAMETER_GROUPS else 1.0)
     if group in INTRA_GROUPS:
         n = {"tp": layout.tp, "tp_kv": layout.tp, "dp_intra": layout.dp_intra_size,
              "qwz_intra": layout.dp_intra_size, "dp_hpz": layout.dp_intra_size}[group]
-        return nbytes / intra_Bps + calls * max(n - 1, 1) * LATENCY_INTRA_S
+        return nbytes / intra_Bps, 0.0, calls * max(n - 1, 1) * LATENCY_INTRA_S
     if group in ONE_PER_NODE:
         n = layout.dp_inter_size
-        return nbytes * g / cluster.inter_node_Bps + calls * max(n - 1, 1) * LATENCY_INTER_S
+        return 0.0, nbytes * g / cluster.inter_node_Bps, calls * max(n - 1, 1) * LATENCY_INTER_S
     n, x = group_span(group, layout, g)
     if n <= x or layout.world_size <= g:  # the whole group on one node
-        return nbytes / intra_Bps + calls * max(n - 1, 1) * LATENCY_INTRA_S
-    concurrent = max(g // x, 1)
+        return nbytes / intra_Bps, 0.0, calls * max(n - 1, 1) * LATENCY_INTRA_S
     intra = nbytes / intra_Bps if x > 1 else 0.0
-    inter = nbytes * concurrent / cluster.inter_node_Bps
-    return max(intra, inter) + calls * (n - 1) * LATENCY_INTER_S
+    return intra, nbytes * max(g // x, 1) / cluster.inter_node_Bps, calls * (n - 1) * LATENCY_INTER_S
+
+
+def group_time(group: str, nbytes: float, calls: float, layout: Layout, cluster: Cluster) -> float:
+    """Seconds of one group's traffic: its NVLink and NIC hops pipelined (the slower one), plus the latency."""
+    intra, inter, latency = group_parts(group, nbytes, calls, layout, cluster)
+    return max(intra, inter) + latency
+
+
+def micro_batch_compute(cfg: Config, layout: Layout, cluster: Cluster) -> float:
+    """Seconds of one micro-batch's forward and backward on one rank as ``predict`` counts them (no recompute)."""
+    return predict(cfg, layout, cluster, lower_bound=True, parts=True)["per_mb"]
 
 
 def _calls(cfg: Config, layout: Layout, layers: float) -> Dict[str, float]:
@@ -140,10 +150,12 @@ def _calls(cfg: Config, layout: Layout, layers: float) -> Dict[str, float]:
             "dp_hpz": 2 * mb * units, "embedding": 1, "world": 1}
 
 
-def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = False) -> dict:
+def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = False,
+            dp_bytes: Optional[Dict[str, float]] = None, parts: bool = False) -> dict:
     """The prediction for one layout: the fields of ``plan.py --json`` (module docstring of training/plan).
     ``lower_bound``: only ``step_time_s``, with no data-parallel communication and no model built (the search
-    ranks layouts by it before predicting them whole)."""
+    ranks layouts by it before predicting them whole). ``dp_bytes``: the data-parallel groups' bytes of another
+    system (scripts/plan_check.py's FSDP2 hybrid shard) in place of this code's, with ZeRO-3's overlap rule."""
     m, dev, mb = cfg.model, cluster.device, layout.num_microbatches
     layers = m.n_layers / layout.pp
     lc = layer_compute(cfg, layout, cluster)
@@ -156,11 +168,15 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = F
     bwd_layer = BACKWARD_FACTOR * lc["gemm"] + lc["attention_bwd"] + 2 * lc["elementwise"] + 2 * lc["fp8_cast"] / 3
     recompute_layer = {"full": fwd_layer, "selective": lc["attention"]}.get(m.activation_checkpointing, 0.0)
     per_mb = layers * (fwd_layer + bwd_layer) + (1 + BACKWARD_FACTOR) * head
+    if parts:
+        return {"per_mb": per_mb}
     compute = mb * per_mb
     recompute = mb * layers * recompute_layer
     bubble = bubble_fraction(layout.pp, layout.virtual_stages, mb) * (compute + recompute)
 
-    nbytes = costs.step_bytes(cfg, layout, activations_only=lower_bound)
+    nbytes = costs.step_bytes(cfg, layout, activations_only=lower_bound or dp_bytes is not None)
+    if dp_bytes is not None:
+        nbytes.update(dp_bytes)
     calls = _calls(cfg, layout, layers)
     times = {g: group_time(g, v, calls.get(g, 1), layout, cluster) for g, v in nbytes.items()}
     busy = compute + recompute
@@ -172,12 +188,12 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = F
     fill = min(2 * (layout.pp - 1) * hop, pp_time)
     out["pp"] = fill + exposed(pp_time - fill, busy, cluster.overlap)
     dp_groups = [g for g in times if g not in ("tp", "tp_kv", "ep", "cp", "pp")]
-    dp_time = sum(times[g] for g in dp_groups)
+    dp_time = sum(times[g] for g in dp_groups)  # distinct collectives, one after another
     z = cfg.zero
     if lower_bound:
         out["dp"] = _dp_lower_bound(cfg, layout, cluster, busy, layers * bwd_layer, e)
     elif z.stage == 3:
-        chain = _chain_time(cfg, layout, cluster, nbytes, times)
+        chain = _chain_time(cfg, layout, cluster, nbytes, times) if dp_bytes is None else 0.0
         out["dp"] = chain + exposed(dp_time - chain, busy, cluster.overlap)
     else:
         window = layers * bwd_layer if cfg.parallel.overlap_grad_reduce else 0.0
