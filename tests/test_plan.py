@@ -141,3 +141,15 @@ def test_cluster_input_is_checked():
     with pytest.raises(PlanInputError, match="not divisible by --gpus-per-node 8"):
         make_cluster("h100", 12)
     assert make_cluster("h100", 4).gpus_per_node == 4  # a job smaller than a node
+
+
+def test_every_device_figure_has_its_source():
+    for kind, dev in DEVICES.items():
+        assert {"peak_tflops", "gemm_ceiling", "memory", "nvlink_gbps", "node", "fp32_ratio"} <= set(dev.sources), kind
+        assert all(len(text) > 20 for text in dev.sources.values()), kind
+
+
+def test_fp32_runs_at_the_kinds_fp32_rate():
+    n = 8192
+    assert gemm_time(n, n, n, H100, elem_bytes=4) == pytest.approx(2 * n**3 / (989e12 * 0.5 * 0.77))
+    assert gemm_time(n, n, n, DEVICES["v100"], elem_bytes=4) == pytest.approx(2 * n**3 / (15.7e12 * 0.70))

@@ -34,11 +34,13 @@ class Device:
     overlap: float = 0.25
     """The share of a compute window communication can hide behind (formulas.exposed)."""
     sources: Dict[str, str] = field(default_factory=dict, compare=False)
+    fp32_ratio: float = 0.5
+    """fp32 GEMMs' peak over the 16-bit one (TF32 tensor cores on A100/H100/H200: half; V100 has no TF32)."""
 
-    def peak(self, fp8: bool) -> float:
-        """The dense peak in FLOP/s for 16-bit GEMMs, or FP8 ones where the GPU has FP8 tensor cores."""
+    def peak(self, fp8: bool, fp32: bool = False) -> float:
+        """The dense peak in FLOP/s for 16-bit GEMMs, FP8 ones where the GPU has FP8 tensor cores, or fp32 ones."""
         t = self.peak_fp8_tflops if fp8 and self.peak_fp8_tflops else self.peak_tflops
-        return t * 1e12
+        return t * 1e12 * (self.fp32_ratio if fp32 and not fp8 else 1.0)
 
 
 GEMM_CEILING_MEASURED = ("our measurement: docs/benchmarks.md 'Where an fp8 step goes (H200)': gpt_1.3b's bf16 "
@@ -66,28 +68,32 @@ DEVICES: Dict[str, Device] = {
                          "TFLOP/s for the models' large fp16 GEMMs, 0.70",
          "memory": "V100 SXM3 32 GB HBM2, 900 GB/s (datasheet); the DGX-2 of seed 003 §4.1",
          "nvlink_gbps": "NVSwitch (DGX-2): 300 GB/s bidirectional per GPU = 150 one way (datasheet; SPEC §10)",
-         "node": "DGX-2: 16 GPUs, 8 x 100 Gbit/s InfiniBand EDR = 800 Gbit/s (seed 003 §4.1)"}),
+         "node": "DGX-2: 16 GPUs, 8 x 100 Gbit/s InfiniBand EDR = 800 Gbit/s (seed 003 §4.1)",
+         "fp32_ratio": "V100 datasheet: 15.7 TFLOP/s fp32 (no TF32) of 125"}, fp32_ratio=15.7 / 125),
     "a100": Device(
         "a100", 312.0, None, 0.80, 80 * 10**9, 2039.0, 300.0, 8, 1600.0,
         OVERLAP_GPU, {"peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 dense tensor",
          "gemm_ceiling": "assumption: ~250 of 312 TFLOP/s for large bf16 GEMMs; checked against seed 003 Table 1(b)",
          "memory": "A100 SXM4 80 GB HBM2e, 2,039 GB/s (datasheet)",
          "nvlink_gbps": "NVLink 3: 600 GB/s bidirectional per GPU = 300 one way (datasheet; SPEC §10)",
-         "node": "DGX A100: 8 GPUs, 8 x 200 Gbit/s HDR = 1,600 Gbit/s (SPEC §10)"}),
+         "node": "DGX A100: 8 GPUs, 8 x 200 Gbit/s HDR = 1,600 Gbit/s (SPEC §10)",
+         "fp32_ratio": "A100 datasheet: 156 TFLOP/s TF32 dense of 312"}),
     "h100": Device(
         "h100", 989.0, 1979.0, 0.77, 80 * 10**9, 3350.0, 450.0, 8, 3200.0,
         OVERLAP_GPU, {"peak_tflops": "NVIDIA H100 SXM5 datasheet: 989 TFLOP/s bf16 dense, 1,979 FP8 dense (SPEC §10)",
          "gemm_ceiling": GEMM_CEILING_MEASURED,
          "memory": "H100 SXM5 80 GB HBM3, 3.35 TB/s (datasheet)",
          "nvlink_gbps": "NVLink 4: 900 GB/s bidirectional per GPU = 450 one way (datasheet; SPEC §10)",
-         "node": "DGX H100: 8 GPUs, 8 x 400 Gbit/s NDR = 3,200 Gbit/s (SPEC §10)"}),
+         "node": "DGX H100: 8 GPUs, 8 x 400 Gbit/s NDR = 3,200 Gbit/s (SPEC §10)",
+         "fp32_ratio": "H100 SXM5 datasheet: 494.5 TFLOP/s TF32 dense of 989"}),
     "h200": Device(
         "h200", 989.0, 1979.0, 0.77, 141 * 10**9, 4800.0, 450.0, 8, 3200.0,
         OVERLAP_GPU, {"peak_tflops": "NVIDIA H200 SXM datasheet: 989 TFLOP/s bf16 dense, 1,979 FP8 dense (SPEC §10)",
          "gemm_ceiling": GEMM_CEILING_MEASURED,
          "memory": "H200 SXM 141 GB HBM3e, 4.8 TB/s (datasheet)",
          "nvlink_gbps": "NVLink 4: 450 GB/s one way per GPU (datasheet)",
-         "node": "HGX H200: 8 GPUs, 8 x 400 Gbit/s NDR = 3,200 Gbit/s (as DGX H100)"}),
+         "node": "HGX H200: 8 GPUs, 8 x 400 Gbit/s NDR = 3,200 Gbit/s (as DGX H100)",
+         "fp32_ratio": "H200 SXM datasheet: 494.5 TFLOP/s TF32 dense of 989"}),
     "cpu": Device(
         "cpu", 0.1, None, 1.0, 8 * 2**30, 10.0, 1.0, 2, 0.1,
         OVERLAP_EMULATED, {"peak_tflops": "placeholder: the cpu kind measures this machine's GEMM rate at the model's shapes "
@@ -96,7 +102,9 @@ DEVICES: Dict[str, Device] = {
          "memory": "placeholder: measured by calibrate.measure_cpu (a large copy); 8 GiB of memory per rank "
                    "assumed",
          "nvlink_gbps": "assumption: 1 GB/s between two ranks of one emulated node (gloo over loopback)",
-         "node": "the emulated cluster (scripts/bench_cluster.py): 2 ranks per namespace, 100 Mbit/s tbf link"}),
+         "node": "the emulated cluster (scripts/bench_cluster.py): 2 ranks per namespace, 100 Mbit/s tbf link",
+         "fp32_ratio": "1: the measured rate is the dtype the trainer multiplies in (calibrate.measure_cpu)"},
+        fp32_ratio=1.0),
 }
 
 ZERO_INTRA_EFFICIENCY = 1 / 3

@@ -1,6 +1,6 @@
 """The step-time model's formulas, each small enough to check by hand (tests/test_plan.py does).
 
-  GEMM         roofline: time = 2mnk / min(peak x ceiling, intensity x memory bandwidth), intensity = 2mnk /
+  GEMM         roofline (fp32: the kind's fp32 peak): time = 2mnk / min(peak x ceiling, intensity x memory bandwidth), intensity = 2mnk /
                ((mk + kn + mn) bytes) -- a small or skinny GEMM is memory-bound, a large one at the ceiling
   attention    flash-style: 4 b s_q s_k' heads d FLOPs forward (s_k' the keys a query sees: half of them under the
                causal mask), backward 2.5x forward (FlashAttention-2's count: dQ, dK, dV and the recomputed
@@ -11,7 +11,7 @@
                (Narayanan et al. 2021, eq. for the interleaved schedule; SPEC §2)
   collective   a ring: the bytes a rank sends (parallel/volume.py's convention, (n-1)/n already in them) over
                the link's bandwidth, plus one latency per ring step ((n - 1) per all-gather or reduce-scatter)
-  overlap      communication that the code overlaps with a window of compute hides OVERLAP of that window at
+  overlap      communication that the code overlaps with a window of compute hides a share of that window at
                most (the device's ``overlap``, devices.py):
                exposed = comm - min(comm, overlap x window); what the code does not overlap is all exposed
 """
@@ -44,16 +44,17 @@ def gemm_time(m: int, n: int, k: int, device: Device, fp8: bool = False, elem_by
     if flops == 0:
         return 0.0
     moved = (m * k + k * n + m * n) * (1 if fp8 else elem_bytes)
-    ceiling = device.peak(fp8) * device.gemm_ceiling
+    ceiling = device.peak(fp8, elem_bytes == 4) * device.gemm_ceiling
     roof = flops / moved * device.memory_gbps * 1e9 * MEMORY_EFFICIENCY
     return flops / min(ceiling, roof)
 
 
-def attention_time(b: int, s_q: int, s_k: float, heads: int, head_dim: int, device: Device) -> Tuple[float, float]:
+def attention_time(b: int, s_q: int, s_k: float, heads: int, head_dim: int, device: Device,
+                   fp32: bool = False) -> Tuple[float, float]:
     """(forward, backward) seconds of fused attention for ``b`` sequences of ``s_q`` queries that each see ``s_k``
     keys on average (causal: about half the keys), ``heads`` heads of ``head_dim`` on this rank."""
     flops = 4.0 * b * s_q * s_k * heads * head_dim
-    rate = device.peak(False) * device.gemm_ceiling * ATTENTION_EFFICIENCY
+    rate = device.peak(False, fp32) * device.gemm_ceiling * ATTENTION_EFFICIENCY
     forward = flops / rate
     return forward, ATTENTION_BACKWARD_FACTOR * forward
 

@@ -13,7 +13,7 @@ What overlaps what (as the code does it):
   ZeRO-3       gathers prefetched and reduce-scatters in flight behind the whole step's compute, except the step
                boundary's chain (parallel/volume.boundary_chain_bytes: the first modules' last reduce and next
                gather, which nothing can hide): exposed
-Each hiding is bounded by formulas.OVERLAP of its window.
+Each hiding is bounded by the kind's ``overlap`` share of its window (devices.py).
 """
 from __future__ import annotations
 
@@ -60,7 +60,7 @@ def layer_compute(cfg: Config, layout: Layout, cluster: Cluster) -> Dict[str, fl
         f_local = m.ffn_size // t
     gemm = sum(gemm_time(a, b, c, dev, fp8, e) for a, b, c in shapes)
     fwd, bwd = attention_time(cfg.train.micro_batch_size, m.seq_len // layout.cp, m.seq_len / 2, m.n_heads // t,
-                              hd, dev)
+                              hd, dev, e == 4)
     norm_tokens = tokens // t if layout.sequence_parallel else tokens
     elementwise = memory_time(e * (10 * h * norm_tokens + (4 * m.q_size // t) * tokens
                                    + (glu + 1) * f_local * tokens), dev)
