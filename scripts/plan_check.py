@@ -16,6 +16,9 @@ config on the ``cpu`` kind, which measures this CPU's GEMM rate and copy bandwid
 calibrate.py). FSDP2 hybrid shard is not this code's ZeRO: its bytes are HSDP's (parameters gathered and
 gradients reduce-scattered in bf16 inside a node, the shard all-reduced across nodes) under ZeRO-3's overlap
 rule. A row passes within 20%.
+
+(c) This trainer on one GPU as docs/benchmarks.md measured it (tokens/s), beside the prediction: no tolerance,
+shown so that the model's error on this code's own step stays in view.
 """
 from __future__ import annotations
 
@@ -34,6 +37,15 @@ from scripts._cli import InputError, output_file  # noqa: E402
 ROOT = Path(__file__).resolve().parents[1]
 BENCH_ROWS = "zero3,zeropp,fsdp2_hybrid"
 TFLOPS_TOLERANCE, SPEEDUP_TOLERANCE, STEP_TOLERANCE = 0.25, 0.20, 0.20
+
+OWN_GPU_ROWS = [
+    # (row, config, overrides, gpu, gpus, measured tokens/s, source)
+    ("gpt_1.3b bf16, compiled, 4 x 4 micro-batches, recompute off", "configs/gpt_1.3b.yaml",
+     ["train.micro_batch_size=4", "train.global_batch_size=16", "model.activation_checkpointing=off"], "h200", 1,
+     57130.0, "docs/benchmarks.md 2026-11-27, one H200: python scripts/bench_fp8.py --presets gpt_1.3b --recompute "
+              "off --steps 8 --warmup 4 --micro-batch 4 --accum 4"),
+]
+"""Our own trainer measured on a GPU (no tolerance: shown so that the model's error on this code is in view)."""
 
 
 def seed_rows() -> list:
@@ -70,6 +82,26 @@ def seed_table(rows: list) -> str:
                      f"{r['predicted_speedup']:.2f}x ({e[2]:+.0%}) | {'yes' if r['ok'] else '**no**'} |")
     ok = sum(r["ok"] for r in rows)
     lines.append(f"\n{ok} of {len(rows)} rows within the tolerances (TFLOP/s 25%, speed-up 20%)")
+    return "\n".join(lines)
+
+
+def own_rows() -> list:
+    from scripts._cli import load_config
+    from training.plan import evaluate, make_cluster
+
+    out = []
+    for name, config, overrides, gpu, gpus, measured, source in OWN_GPU_ROWS:
+        p = evaluate(load_config(str(ROOT / config), overrides), make_cluster(gpu, gpus))
+        out.append({"row": name, "gpu": gpu, "measured_tokens_per_s": measured, "predicted": p["tokens_per_s"],
+                    "error": p["tokens_per_s"] / measured - 1, "source": source})
+    return out
+
+
+def own_table(rows: list) -> str:
+    lines = ["| row | GPU | measured tokens/s | predicted | error | source |", "|---|---|---:|---:|---:|---|"]
+    for r in rows:
+        lines.append(f"| {r['row']} | {r['gpu']} | {r['measured_tokens_per_s']:,.0f} | {r['predicted']:,.0f} | "
+                     f"{r['error']:+.0%} | {r['source']} |")
     return "\n".join(lines)
 
 
@@ -181,6 +213,9 @@ def main(argv=None) -> int:
         result["seeds"] = seed_rows()
         print("(a) seed 003 (ZeRO++ paper), Tables 1(a), 1(b), 7, 8: TFLOP/s per GPU\n")
         print(seed_table(result["seeds"]), flush=True)
+        result["own"] = own_rows()
+        print("\n(c) this trainer on one GPU, measured (docs/benchmarks.md)\n")
+        print(own_table(result["own"]), flush=True)
     if not args.seeds_only:
         if bench is None:
             bench = run_bench(args)

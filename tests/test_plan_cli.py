@@ -94,3 +94,22 @@ def test_search_orders_by_the_model():
     fast = search(cfg, make_cluster("h100", 16), top=1)[0]
     assert slow["breakdown"]["dp"] < 0.5 * slow["step_time_s"]
     assert slow["step_time_s"] >= fast["step_time_s"]
+
+
+def test_plan_check_reads_the_bench_rows_as_the_bench_runs_them(capsys, tmp_path):
+    from scripts import plan_check
+    from parallel.layout import make_layout
+
+    keys = plan_check.bench_overrides("zeropp", 4, 2)
+    assert "zero.hpz_size=2" in keys and "model.d_model=256" in keys and "train.global_batch_size=8" in keys
+    cfg = load_config(None, plan_check.bench_overrides("fsdp2_hybrid", 4, 2))
+    layout = make_layout(cfg, 4, 2)
+    total = costs.parameters(cfg)["total"]
+    got = plan_check.hsdp_bytes(cfg, layout)  # x = 2 ranks a node, y = 2 nodes, bf16, one micro-batch
+    assert got["dp_inter"] == pytest.approx(2 * (1 / 2) * total / 2 * 2)
+    assert got["dp_intra"] == pytest.approx(3 * 1 * total / 2 * 2)
+    bad = tmp_path / "bench.json"
+    bad.write_text('{"header": "no rows"}')
+    assert run(plan_check.main, ["--cluster-only", "--bench-json", str(bad)]) == 2
+    err = capsys.readouterr().err
+    assert err.startswith("error: --bench-json") and len(err.strip().splitlines()) == 1
