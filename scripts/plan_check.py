@@ -202,7 +202,12 @@ def main(argv=None) -> int:
                          f"{args.rate_mbit})")
     bench = None
     if args.bench_json:
-        bench = json.loads(Path(args.bench_json).read_text(encoding="utf-8"))
+        try:
+            bench = json.loads(Path(args.bench_json).read_text(encoding="utf-8"))
+        except UnicodeDecodeError as e:
+            raise InputError(f"--bench-json {args.bench_json}: not UTF-8 text (byte {e.start + 1})") from None
+        except json.JSONDecodeError as e:
+            raise InputError(f"--bench-json {args.bench_json}: malformed JSON ({e.msg} at line {e.lineno})") from None
         if not isinstance(bench, dict) or not isinstance(bench.get("rows"), list):
             raise InputError(f"--bench-json {args.bench_json}: not a bench_cluster.py --json file (no 'rows' list)")
     elif not args.seeds_only and os.geteuid() != 0:

@@ -29,12 +29,18 @@ KEYS = ("gemm_tflops", "fp8_gemm_tflops", "memory_gbps", "inter_node_gbit", "int
 
 def read(path: str) -> list:
     """The calibration objects of ``path`` (one JSON object, or JSON lines)."""
-    with open(path, encoding="utf-8") as f:
-        text = f.read()
+    try:
+        with open(path, encoding="utf-8") as f:
+            text = f.read()
+    except UnicodeDecodeError as e:
+        raise PlanInputError(f"--calibrate {path}: not UTF-8 text (byte {e.start + 1})") from None
     try:
         items = [json.loads(text)]
     except json.JSONDecodeError:
-        items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        try:
+            items = [json.loads(line) for line in text.splitlines() if line.strip()]
+        except json.JSONDecodeError as e:
+            raise PlanInputError(f"--calibrate {path}: malformed JSON ({e.msg} at line {e.lineno})") from None
     for item in items:
         if not isinstance(item, dict):
             raise PlanInputError(f"--calibrate {path}: expected JSON objects, got {type(item).__name__}")
