@@ -32,6 +32,14 @@ def clear() -> None:
     _INTRA.clear()
 
 
+def rank_parameters(cfg: Config, layout: Layout) -> float:
+    """Parameters a rank of the busiest stage holds (dense ones over tp x pp, routed experts over pp x ep)."""
+    counts = parameters(cfg)
+    experts = counts["routed"]
+    dense = counts["total"] - experts
+    return dense / (layout.tp * layout.pp) + experts / (layout.pp * layout.ep)
+
+
 def model_key(cfg: Config) -> str:
     """The model's settings that its chunks' shapes and parameters depend on (recomputation is not one of them)."""
     return repr(dataclasses.replace(cfg.model, activation_checkpointing="off"))
@@ -115,7 +123,6 @@ def memory_lower_bound(cfg: Config, layout: Layout) -> float:
     bytes per parameter (training/memory.py's docstring: 16; (e_c + e_r) + o / N; e_c + (e_r + o) / N;
     (e_c + e_r + o) / N, o = 12, 8 in fp32) on 0.95 of the busiest rank's parameters, plus the activations; 0 under fp8."""
     from training.memory import activation_bytes
-    from training.plan.step import rank_parameters
 
     if cfg.precision == "fp8":
         return 0.0

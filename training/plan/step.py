@@ -70,14 +70,6 @@ def layer_compute(cfg: Config, layout: Layout, cluster: Cluster) -> Dict[str, fl
     return {"gemm": gemm, "attention": fwd, "attention_bwd": bwd, "elementwise": elementwise, "fp8_cast": cast}
 
 
-def rank_parameters(cfg: Config, layout: Layout) -> float:
-    """Parameters a rank of the busiest stage holds (dense ones over tp x pp, routed experts over pp x ep)."""
-    counts = costs.parameters(cfg)
-    experts = counts["routed"]
-    dense = counts["total"] - experts
-    return dense / (layout.tp * layout.pp) + experts / (layout.pp * layout.ep)
-
-
 def group_span(group: str, layout: Layout, g: int):
     """(members, members per node) of ``group`` for the time model."""
     dp, tp = layout.dp, layout.tp
@@ -142,7 +134,7 @@ def _calls(cfg: Config, layout: Layout, layers: float) -> Dict[str, float]:
     if z.stage == 3:
         dp = 3 * mb * units
     else:
-        buckets = max(rank_parameters(cfg, layout) * 4 / (cfg.parallel.bucket_mb * 2**20), 1.0)
+        buckets = max(costs.rank_parameters(cfg, layout) * 4 / (cfg.parallel.bucket_mb * 2**20), 1.0)
         dp = buckets + (units if z.stage else 0)
     return {"tp": tp, "tp_kv": mb * layers, "cp": 3 * mb * layers * max(layout.cp - 1, 0), "ep": 4 * mb * layers,
             "pp": 2 * mb * layout.virtual_stages, "dp": dp, "edp": dp, "dp_intra": mb * units if z.stage == 3
@@ -200,7 +192,7 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = F
         e_r = e if z.reduce_dtype == "compute" else 4
         reduce_share = 1.0 if z.stage == 0 else e_r / (e_r + e)
         out["dp"] = exposed(dp_time * reduce_share, window, cluster.overlap) + dp_time * (1 - reduce_share)
-    params = rank_parameters(cfg, layout)
+    params = costs.rank_parameters(cfg, layout)
     shard = params / layout.dp if z.stage else params
     per_element = 12 if fp8 else (32 if z.stage == 0 else 28)  # AdamW: read/written bytes per element
     quant = 0.0
@@ -233,7 +225,7 @@ def _dp_lower_bound(cfg: Config, layout: Layout, cluster: Cluster, busy: float, 
     z, n = cfg.zero, layout.dp
     if n <= 1 or cfg.model.moe.num_experts or cfg.precision == "fp8":
         return 0.0
-    share = 0.9 * (n - 1) / n * rank_parameters(cfg, layout)
+    share = 0.9 * (n - 1) / n * costs.rank_parameters(cfg, layout)
     e_r = e if z.reduce_dtype == "compute" else 4
     mb = layout.num_microbatches if z.stage == 3 else 1
     if z.quantized_weights or z.quantized_gradients or z.hpz_size > 1:
