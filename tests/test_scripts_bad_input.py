@@ -233,6 +233,23 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "malformed": ["--preset", "!{yaml}"],
         "steps_0": ["!--steps", "0"],
     },
+    "plan.py": {
+        "missing": ["--gpus", "8", "--config", "!{absent}.yaml"],
+        "wrong_kind": ["--gpus", "8", "--config", "!{dir}"],
+        "binary": ["--gpus", "8", "--config", "!{binary}"],
+        "malformed": ["--gpus", "8", "--config", "!{yaml}"],
+        "calibrate_binary": ["--gpus", "8", "--calibrate", "!{binary}"],
+        "unknown_gpu": ["--gpus", "8", "--gpu", "!b200"],
+        "not_whole_nodes": ["--gpus", "12", "?not divisible by --gpus-per-node"],
+        "impossible_layout": ["--gpus", "3", "--config", "configs/gpt_7b.yaml", "?world size 3"],
+    },
+    "plan_check.py": {
+        "missing": ["--cluster-only", "--bench-json", "!{absent}.json"],
+        "wrong_kind": ["--cluster-only", "--bench-json", "!{dir}"],
+        "binary": ["--cluster-only", "--bench-json", "!{binary}"],
+        "malformed": ["--cluster-only", "--bench-json", "!{text}"],
+        "json_is_a_dir": ["--json", "!{dir}"],
+    },
     "plot_runs.py": {
         "missing": ["!{absent}", "-o", "{tmp}/curves.png"],
         "wrong_kind": ["!{text}", "-o", "{tmp}/curves.png"],
