@@ -5,7 +5,6 @@ on every TP rank, with or without sequence parallelism: the layouts below must s
 process does (losses, gradient norms and every gradient, assembled from the ranks). Numerics against transformers'
 Qwen3 are in tests/test_hf_moe.py; here also the checkpoint's record of the setting.
 """
-from types import SimpleNamespace
 
 import pytest
 import torch
@@ -49,14 +48,14 @@ def test_qk_norm_trains_at_tp2_as_one_process(name):
 def test_the_checkpoint_records_qk_norm_and_older_ones_had_none():
     """meta.json records model.qk_norm (MODEL_KEYS); a checkpoint from before it (no such key) is a model without
     QK-norm: it loads into qk_norm=false and is refused, naming the setting, by qk_norm=true."""
-    from training.checkpoint import Checkpointer, model_record
+    from training.checkpoint_rules import model_differences, model_record
 
     on, off = tiny_config("model.qk_norm=true").model, tiny_config().model
     assert model_record(on)["qk_norm"] is True and model_record(off)["qk_norm"] is False
     older = {k: v for k, v in model_record(off).items() if k != "qk_norm"}
 
     def mismatch(model, saved):
-        return Checkpointer._model_mismatch(SimpleNamespace(cfg=SimpleNamespace(model=model)), {"model": saved})
+        return [phrase for _, phrase in model_differences({"model": saved}, model)]
 
     assert mismatch(off, older) == [] and mismatch(on, model_record(on)) == []
     assert mismatch(on, older) == ["model.qk_norm: checkpoint False vs config True"]
