@@ -27,8 +27,7 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
-from tests.test_train_e2e import run_forked
-from tests.test_scripts_bad_input import run_as_python
+from tests.test_scripts_bad_input import forked_python
 from training.checkpoint import verify
 from training.safe_load import CheckpointError, read_dcp_metadata
 
@@ -42,7 +41,6 @@ MODEL = ["model.n_layers=2", "model.d_model=64", "model.n_heads=2", "train.globa
          "train.micro_batch_size=2", "logging.wandb.mode=disabled", "train.eval_interval=0", "device=cpu"]
 STEP = "step_00000002"
 FORBIDDEN = f"{os.system.__module__}.{os.system.__name__}"  # how pickle names os.system (posix.system on Linux)
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 PLANTED = {"metadata": ".metadata", "rng": "rng_rank00000.pt"}
 
 
@@ -56,15 +54,7 @@ class Touch:
         return os.system, (f"touch {shlex.quote(str(self.marker))}",)
 
 
-def _run(*args: str) -> subprocess.CompletedProcess:
-    """``python train.py args`` (``train.main`` on a forked rank: nothing here is about the launch) or ``python
-    scripts/generate.py args`` (forked from the preloaded forkserver): no fresh interpreter importing torch."""
-    if args[0] == "train.py":
-        return run_forked(*args[1:])
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    proc, late = run_as_python(list(args), ROOT, env, 300)
-    assert not late, proc.stderr
-    return proc
+_run = forked_python  # python train.py / scripts/generate.py ...: nothing here is about the launch
 
 
 @pytest.fixture(scope="module")

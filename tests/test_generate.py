@@ -21,6 +21,7 @@ from data.tokenizer import Tokenizer
 from parallel.launch import LaunchEnv, init_distributed
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
+from tests.test_scripts_bad_input import forked_python
 from training.checkpoint import Checkpointer, file_digest
 from training.engine import Engine
 
@@ -29,16 +30,11 @@ pytestmark = pytest.mark.slow
 ROOT = Path(__file__).resolve().parents[1]
 SCRIPT = ROOT / "scripts" / "generate.py"
 PROMPT = "The function returns"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
-
-
-def _env() -> dict:
-    """A single-process environment even when the tests themselves run under torchrun or SLURM."""
-    return {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
 
 
 def _run(*args: str) -> subprocess.CompletedProcess:
-    return subprocess.run([sys.executable, *args], cwd=ROOT, env=_env(), capture_output=True, text=True, timeout=120)
+    """``python ARGS`` (train.py or scripts/generate.py) as a fresh interpreter would run it, forked instead."""
+    return forked_python(*args, timeout=120)
 
 
 @pytest.fixture(scope="module")

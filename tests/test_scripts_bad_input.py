@@ -430,6 +430,23 @@ def run_as_python(command: List[str], cwd: Path, env: Dict[str, str],
     return subprocess.CompletedProcess([sys.executable, *command], p.exitcode, out, err), late
 
 
+LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
+
+
+def forked_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+    """``python ARGS`` from the repository root, single-process, without a fresh interpreter importing torch (~3
+    CPU-s each): ``train.py`` as ``train.main`` on a rank forked by tests/dist_harness.py (for tests that are not
+    about the launch), a script forked from its preloaded forkserver (``run_as_python``)."""
+    from tests.test_train_e2e import run_forked
+
+    if args[0] == "train.py":
+        return run_forked(*args[1:], timeout=timeout)
+    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    proc, late = run_as_python(list(args), ROOT, env, timeout)
+    assert not late, f"python {' '.join(args)} still ran after {timeout} s:\n{proc.stderr[-3000:]}"
+    return proc
+
+
 def _run(script: str, argv: List[str], paths: Dict[str, str]) -> Tuple[List[str], str, subprocess.CompletedProcess]:
     """``python scripts/SCRIPT ARGS`` from the repository root (the module docstring says how it is run)."""
     args, needle = _expand(argv, paths)
