@@ -36,6 +36,7 @@ from data.tokenizer import (
     load_tokenizer,
     train_hf_tokenizer,
 )
+from tests.test_scripts_bad_input import forked_python
 from tests.test_train_e2e import FAST, records, run_train
 from training.trainer import check_data
 
@@ -553,9 +554,8 @@ def test_train_and_generate_with_a_tokenizer_json(bpe: Path, bpe_data: Path, tmp
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert [r["step"] for r in records(run_dir) if "loss" in r] == [1]
     prompt = "The function returns"
-    gen = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run_dir),
-                          "--prompt", prompt, "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu",
-                          "--tokenizer", str(bpe)], cwd=ROOT, capture_output=True, text=True, timeout=120,
-                         env={**os.environ, "OMP_NUM_THREADS": "1"})
+    gen = forked_python(str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(run_dir), "--prompt", prompt,
+                        "--max-new-tokens", "6", "--temperature", "0", "--device", "cpu", "--tokenizer", str(bpe),
+                        timeout=120, env={"OMP_NUM_THREADS": "1"})
     assert gen.returncode == 0, gen.stderr[-3000:]
     assert gen.stdout.startswith(prompt)

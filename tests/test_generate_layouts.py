@@ -3,15 +3,14 @@ on 2 simulated nodes x 2 ranks (hpZ over 2, int8 weights, int4 gradients) and FP
 text must be the argmax continuation of transformers' LlamaForCausalLM in float64 holding the checkpoint's weights
 (read from the DCP files without our model, optimizer or layout code)."""
 import json
-import os
 import subprocess
-import sys
 import warnings
 from pathlib import Path
 
 import pytest
 import torch
 
+from tests.test_scripts_bad_input import forked_python
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
 
@@ -20,7 +19,6 @@ import transformers  # noqa: E402  (a test dependency: requirements-dev.txt)
 ROOT = Path(__file__).resolve().parents[1]
 PROMPT = "The function returns"
 NEW_TOKENS = 8
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 # the bundled tokenizer's vocabulary (generation needs real tokens); a learning rate high enough that two steps move
 # the weights far from their initialisation, so that text from unloaded weights could not pass
 COMMON = ["model.vocab_size=4096", "model.n_layers=2", "train.lr=0.02", "train.warmup_steps=0"]
@@ -72,9 +70,8 @@ def reference_greedy(step_dir: Path, prompt: str, max_new_tokens: int) -> str:
 
 
 def generate(*args: str) -> subprocess.CompletedProcess:
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    return subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), *args], cwd=ROOT, env=env,
-                          capture_output=True, text=True, timeout=120)
+    """``python scripts/generate.py ARGS``, forked (no fresh interpreter importing torch)."""
+    return forked_python(str(ROOT / "scripts" / "generate.py"), *args, timeout=120)
 
 
 @pytest.mark.parametrize("name", sorted(LAYOUTS))

@@ -12,6 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
+from tests.test_scripts_bad_input import forked_python
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
 
@@ -24,7 +25,6 @@ import export_hf  # noqa: E402
 RTOL = 1e-5
 TOKENIZER_VOCAB = 4096  # the bundled tokenizer's: generation needs real tokens
 PROMPT = "The function returns"
-LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
 def our_logits(step_dir: Path, tokens: torch.Tensor, config_file: Path = None, overrides=()) -> torch.Tensor:
@@ -136,10 +136,8 @@ def _safetensors_header(path: Path) -> int:
 
 
 def test_greedy_text_of_generate_py_and_of_transformers_generate_agree(tp2_pp2, exported):
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(tp2_pp2),
-                           "--prompt", PROMPT, "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = forked_python(str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(tp2_pp2), "--prompt", PROMPT,
+                         "--max-new-tokens", "12", "--temperature", "0", "--device", "cpu", timeout=120)
     assert proc.returncode == 0, proc.stderr
     tok = transformers.AutoTokenizer.from_pretrained(str(exported))
     model = transformers.LlamaForCausalLM.from_pretrained(str(exported), dtype=torch.float32).eval()

@@ -4,16 +4,14 @@ loss is transformers' loss on the same batch), and exports to a directory that t
 family with our logits and our greedy text. The reference is always transformers' own model class."""
 import json
 import math
-import os
 import shutil
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 import torch
 
-from tests.test_hf_export import LAUNCH_VARS, ROOT, assert_close, export, our_logits, random_tokens
+from tests.test_scripts_bad_input import forked_python
+from tests.test_hf_export import ROOT, assert_close, export, our_logits, random_tokens
 from tests.test_hf_import import VOCAB, import_model, train_from_import
 
 import transformers  # noqa: E402  (a test dependency: requirements-dev.txt)
@@ -165,10 +163,8 @@ def test_train_at_tp2_pp2_then_export_loads_in_transformers_with_our_logits_and_
         before = model(tokens).logits
     assert (theirs - before).abs().max() > 1e-6, "the export must hold the trained weights, not the imported ones"
 
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
-    proc = subprocess.run([sys.executable, str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(step_dir),
-                           "--prompt", PROMPT, "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu"],
-                          cwd=ROOT, env=env, capture_output=True, text=True, timeout=120)
+    proc = forked_python(str(ROOT / "scripts" / "generate.py"), "--checkpoint", str(step_dir), "--prompt", PROMPT,
+                         "--max-new-tokens", "10", "--temperature", "0", "--device", "cpu", timeout=120)
     assert proc.returncode == 0, proc.stderr
     tok = transformers.AutoTokenizer.from_pretrained(str(out))
     # generate.py encodes as training data was: a tokenizer.json's own post-processor applies (Llama 3's bos)

@@ -42,7 +42,7 @@ import tempfile
 import threading
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
-from typing import Dict, List, Tuple
+from typing import Dict, List, Optional, Tuple
 
 import pytest
 
@@ -433,15 +433,18 @@ def run_as_python(command: List[str], cwd: Path, env: Dict[str, str],
 LAUNCH_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 
 
-def forked_python(*args: str, timeout: float = 300) -> subprocess.CompletedProcess:
+def forked_python(*args: str, timeout: float = 300, env: Optional[Dict[str, str]] = None) -> subprocess.CompletedProcess:
     """``python ARGS`` from the repository root, single-process, without a fresh interpreter importing torch (~3
     CPU-s each): ``train.py`` as ``train.main`` on a rank forked by tests/dist_harness.py (for tests that are not
-    about the launch), a script forked from its preloaded forkserver (``run_as_python``)."""
+    about the launch), a script forked from its preloaded forkserver (``run_as_python``); ``env``: variables set
+    for a script."""
     from tests.test_train_e2e import run_forked
 
     if args[0] == "train.py":
+        assert not env, "train.py: run_forked's environment"
         return run_forked(*args[1:], timeout=timeout)
-    env = {k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")}
+    env = {**{k: v for k, v in os.environ.items() if k not in LAUNCH_VARS and not k.startswith("SLURM_")},
+           **(env or {})}
     proc, late = run_as_python(list(args), ROOT, env, timeout)
     assert not late, f"python {' '.join(args)} still ran after {timeout} s:\n{proc.stderr[-3000:]}"
     return proc
