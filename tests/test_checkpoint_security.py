@@ -17,7 +17,6 @@ import os
 import pickle
 import shlex
 import shutil
-import subprocess
 import sys
 from pathlib import Path
 from typing import Tuple
