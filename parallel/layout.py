@@ -218,7 +218,7 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
         raise ConfigError.listing("impossible parallel layout", errors)
     layout = Layout(world_size=world_size, tp=tp, pp=pp, dp=dp, virtual_stages=vp, ranks_per_node=rpn,
                     sequence_parallel=par.sequence_parallel and tp > 1, num_microbatches=num_mb, ep=ep, cp=cp)
-    sizes = {len(layout.dp_intra_ranks(r)) for r in range(world_size)}
+    sizes = dp_intra_sizes(layout)
     if len(sizes) != 1:
         raise ConfigError(f"impossible parallel layout: data-parallel peers are spread unevenly over nodes "
                           f"(ranks_per_node={rpn}, {layout.describe()}); dp_intra sizes {sorted(sizes)}")
@@ -227,3 +227,17 @@ def make_layout(cfg: Config, world_size: int, launcher_ranks_per_node: int) -> L
         raise ConfigError(f"impossible parallel layout: zero.hpz_size={hpz} does not divide the {intra} data-parallel "
                           f"ranks per node (parallel.ranks_per_node={rpn}, parallel.tp={tp}, parallel.pp={pp})")
     return layout
+
+
+def dp_intra_sizes(layout: Layout) -> set:
+    """The sizes of every rank's ``dp_intra_ranks`` (its DP peers on its node), counted once per DP group: O(world)
+    where asking each rank costs O(world x dp), which at thousands of ranks is seconds of start-up."""
+    sizes = set()
+    for p in range(layout.pp):
+        for t in range(layout.tp):
+            per_node: dict = {}
+            for d in range(layout.dp):
+                node = layout.node_of(layout.rank_of(p, d, t))
+                per_node[node] = per_node.get(node, 0) + 1
+            sizes.update(per_node.values())
+    return sizes

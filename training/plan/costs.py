@@ -22,14 +22,12 @@ from parallel.layout import Layout
 
 _CHUNKS: Dict[tuple, object] = {}
 _CACHE: Dict[tuple, object] = {}
-_INTRA: Dict[tuple, list] = {}
 _MAX = 4096
 
 
 def clear() -> None:
     _CHUNKS.clear()
     _CACHE.clear()
-    _INTRA.clear()
 
 
 def rank_parameters(cfg: Config, layout: Layout) -> float:
@@ -75,29 +73,13 @@ def shared_meta():
             _CHUNKS[key] = original(cfg, layout, pp_rank)
         return _CHUNKS[key]
 
-    intra = Layout.dp_intra_ranks
-
-    def dp_intra_ranks(layout: Layout, rank: int):
-        """The same list, memoised per (world, tp, pp, dp, ranks per node, rank): ``make_layout`` asks it for every
-        rank of the world (its evenness check), O(world x dp) per layout; the search makes hundreds of layouts
-        that share these numbers."""
-        key = ("intra", layout.world_size, layout.tp, layout.pp, layout.dp, layout.ranks_per_node, rank)
-        got = _INTRA.get(key)
-        if got is None:
-            got = _INTRA[key] = intra(layout, rank)
-        return list(got)
-
     units.meta_chunks = cached
     memory.meta_chunks = cached
-    Layout.dp_intra_ranks = dp_intra_ranks
     try:
         yield
     finally:
         units.meta_chunks = original
         memory.meta_chunks = original
-        Layout.dp_intra_ranks = intra
-        if len(_INTRA) > 2**20:
-            _INTRA.clear()
 
 
 def _memo(key: tuple, make):
