@@ -142,6 +142,7 @@ def test_one_process_equals_the_reference(kind):
     out = run_world(one_process_worker, 1, kind, SETTINGS[kind] + EXPLICIT.get(kind, []) + CONSTANT_LR, steps,
                     env={"GPT_CPU_GEMM": "native"})[0]
     assert out["losses"][-1] < out["losses"][0] - 0.05, "the run must learn, or equal parameters prove little"
+    off = {}
     for name, ref in out["reference"].items():
         ours = out["ours"][name]
         if kind != "adamw8bit":
@@ -152,11 +153,15 @@ def test_one_process_equals_the_reference(kind):
         # update from then on: rare, and bounded by the update size (lr per step, Adam's normalised step)
         diff = (ours - ref).abs()
         assert diff.max().item() <= 0.05 * 3e-3 * steps, f"{name}: {diff.max().item()}"
+        off[name] = ((diff > 1e-5).sum().item(), diff.numel())
+    if kind == "adamw8bit":
         # (an element whose second moment rounds to the zero code, v below the block's smallest code, steps by
         # m / eps: such elements amplify any difference), elsewhere only through the gradients of weights that
-        # moved apart, ~1e-7; a missing weight decay alone would move most elements by lr x wd x |p| x steps ~ 6e-5
-        off = (diff > 1e-5).float().mean().item()
-        assert off <= 5e-2, f"{name}: {off:.2%} of the elements differ by more than 1e-5"
+        # moved apart, ~1e-7; a missing weight decay alone would move most elements by lr x wd x |p| x steps ~ 6e-5.
+        # Counted over the whole model: in a 32-element norm weight one straddling element is already 3% (two
+        # were, on a CPU with AVX-512 fp32 kernels, whose sums differ from AVX2's in the last bit)
+        moved, total = map(sum, zip(*off.values()))
+        assert moved <= 5e-2 * total, f"{moved} of {total} elements differ by more than 1e-5: {off}"
 
 
 # -- every layout: against the one-process run of the same optimizer -------------------------------------------
@@ -184,7 +189,10 @@ def test_layout_equals_one_process(kind, layout):
     ref = _reference(kind)
     out = run_world(train_worker, world, SETTINGS[kind] + overrides, STEPS)
     assert ref["losses"][-1] < ref["losses"][0] - 0.05, "the reference must learn"
-    rtol = 1e-5
+    # Muon orthogonalises in bf16 products (torch's Newton-Schulz): the layouts' fp32 sum-order differences in the
+    # gradients (~1e-7) flip bf16 roundings of its iterates, which moved step 4's loss by 1.17e-5 on a CPU with
+    # native bf16 kernels (AVX512-BF16) at tp 2; a wrong gather, scale or shard moves it by 1e-3 or more
+    rtol = 5e-5 if kind == "muon" else 1e-5
     torch.testing.assert_close(torch.tensor(out[0]["losses"]), torch.tensor(ref["losses"]), rtol=rtol, atol=0)
     assert abs(out[0]["val_loss"] - ref["val_loss"]) <= rtol * ref["val_loss"]
 
