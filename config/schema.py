@@ -417,7 +417,8 @@ class CheckpointConfig:
     init_from: Optional[str] = None
     """Initialise the model weights from this checkpoint (a checkpoint, a checkpoint root or a run directory; e.g.
     the output of scripts/import_hf.py), at step 0 with a fresh optimizer, in any layout. Ignored when dir holds a
-    checkpoint to resume from (a requeued job resumes its own progress). Its model settings must equal the run's."""
+    checkpoint to resume from (a requeued job resumes its own progress). Its model settings must equal the run's,
+    except the rotary ones and the MoE router's (no weight depends on them; a change is named on one line)."""
     save_at_exit: bool = True
     """Save when the run ends (max steps, time limit or SIGTERM/SIGUSR1)."""
     allow_fresh_start: bool = False
