@@ -12,32 +12,30 @@ rows (``train.optimizer`` and what changes with it; everything else is the defau
   adamw      train.lr 2e-3, weight decay 0.1, betas 0.9/0.95 (the defaults): the baseline
   adamw8bit  the same lr, betas and weight decay; both moments as 8-bit blockwise codes
              (train.adamw8bit.block_size 256, the default)
-  adafactor  train.lr=1e-2: Adafactor's usual setting. Its step is *relative*: rho_t = min(lr, 1/sqrt(t)) times
-             the parameter's RMS (at least eps2 = 1e-3), so lr is not an absolute step size but the cap on the
-             relative one, and 1e-2 is that cap in the paper (Shazeer & Stern: rho_t = min(1e-2, 1/sqrt(t))), in
-             T5 / Hugging Face's relative_step and torch.optim.Adafactor's default lr. AdamW's 2e-3 would be a
-             5x smaller relative step. It runs under the shared schedule (warmup, cosine), clip and decay
-             (decoupled, as torch.optim.Adafactor: the parameter times 1 - lr x 0.1 a step, so at lr 1e-2 five
-             times AdamW's decay a step)
-  adafactor_matched  (not by default) train.lr=0.1, train.weight_decay=2e-3: Adafactor with AdamW's step sizes.
-             At lr 1e-2 its absolute step is 1e-2 x RMS(param), ~2e-4 for the default model.init_std 0.02 (T5's
-             setting assumes weights of RMS ~1): a tenth of AdamW's 2e-3. lr 0.1 = AdamW's lr / init_std gives a
-             weight matrix AdamW's step at the start (still capped by 1/sqrt(t)), and weight decay 2e-3 keeps
-             lr x decay a step AdamW's 2e-4
+  adafactor  nothing else set: train.adafactor.lr and weight_decay auto. Adafactor's step is *relative*:
+             rho_t = min(relative step, 1/sqrt(t)) times the parameter's RMS (at least eps2 = 1e-3); auto makes the
+             relative step train.lr / model.init_std (0.1 at the defaults), so a weight of the initial RMS (0.02)
+             moves by AdamW's 2e-3 at the start, and the weight decay train.weight_decay x train.lr / 0.1 = 2e-3,
+             so lr x decay a step is AdamW's 2e-4. Under the shared schedule (warmup, cosine) and clip
+  adafactor_torch  (not by default) train.adafactor.lr=1e-2, train.adafactor.weight_decay=0.1: torch's default
+             relative step (the paper's cap, T5 / Hugging Face's relative_step), made for weights of RMS ~1: on
+             this model a tenth of AdamW's step, with AdamW's decay coefficient (five times AdamW's decay a step)
+  adafactor_old  (not by default) train.adafactor.lr=2e-3, train.adafactor.weight_decay=0.1: what
+             train.optimizer=adafactor alone ran before the auto setting (train.lr as the relative step)
   muon       train.muon.adjust_lr=match_rms_adamw (Moonshot's: the matrices' lr is scaled by
              0.2 sqrt(max(rows, cols)) so the update's RMS matches AdamW's), hence AdamW's train.lr 2e-3 and
              weight decay 0.1 carry over unchanged; the embedding, head and norms step with AdamW itself
 
-Extra ``key=value`` overrides go to every row after its own (``train.lr=...`` would replace Adafactor's too).
+Extra ``key=value`` overrides go to every row after its own (``train.lr=...`` moves Adafactor's auto step too).
 
 Printed, a line per row and seed: final validation loss (after the last step), its difference to the AdamW run of
 the same seed (the *gap*), the optimizer state bytes per parameter and the mean step time. The state bytes are the
 run's own measurement (``model_state_bytes.optimizer`` in metrics.jsonl: the trainer counts the optimizer's
 tensors after the first step) divided by the model's parameter count (``model.flops.parameter_count``). The step
 time is the mean ``step_time_s`` of the steps after the first 5 (start-up). Then per row: each seed's gap, their
-mean, min..max and sample standard deviation, and the issue's bar: Muon's mean final validation loss <= AdamW's;
-8-bit AdamW's and Adafactor's (either row) mean gap at most +2% (exit code 1 if a bar is missed). A script, not a
-test: it takes minutes a run.
+mean, min..max and sample standard deviation, and the issues' bars: Muon's mean final validation loss <= AdamW's;
+8-bit AdamW's mean gap at most +2%, Adafactor's at its defaults at most +3% (exit code 1 if a bar is missed; the
+adafactor_torch and adafactor_old rows have none). A script, not a test: it takes minutes a run.
 """
 from __future__ import annotations
 
@@ -58,14 +56,16 @@ ROOT = Path(__file__).resolve().parents[1]
 ROWS = {  # name: (settings as printed, overrides after the default config)
     "adamw": ("lr 2e-3", ["train.optimizer=adamw"]),
     "adamw8bit": ("lr 2e-3, block 256", ["train.optimizer=adamw8bit"]),
-    "adafactor": ("lr 1e-2 (relative)", ["train.optimizer=adafactor", "train.lr=1e-2"]),
-    "adafactor_matched": ("lr 0.1, wd 2e-3 (relative)",
-                          ["train.optimizer=adafactor", "train.lr=0.1", "train.weight_decay=2e-3"]),
+    "adafactor": ("defaults: relative step auto 0.1, wd auto 2e-3", ["train.optimizer=adafactor"]),
+    "adafactor_torch": ("relative step 1e-2, wd 0.1 (torch's lr)",
+                        ["train.optimizer=adafactor", "train.adafactor.lr=1e-2", "train.adafactor.weight_decay=0.1"]),
+    "adafactor_old": ("relative step 2e-3, wd 0.1 (before auto)",
+                      ["train.optimizer=adafactor", "train.adafactor.lr=2e-3", "train.adafactor.weight_decay=0.1"]),
     "muon": ("lr 2e-3, match_rms_adamw", ["train.optimizer=muon", "train.muon.adjust_lr=match_rms_adamw"]),
 }
 DEFAULT_ROWS = ["adamw", "adamw8bit", "adafactor", "muon"]
 BASELINE = "adamw"
-WITHIN = 0.02  # adamw8bit and adafactor: the mean gap of the final validation loss at most +2% (AdamW's + 2%)
+WITHIN = {"adamw8bit": 0.02, "adafactor": 0.03}  # the bar: mean gap of the final validation loss at most this
 SKIP_STEPS = 5  # start-up steps left out of the step time
 
 
@@ -169,11 +169,14 @@ def main(argv=None) -> int:
                 held = sum(g <= 0 for g in gaps)
                 line += (f"\n  bar (mean val loss <= adamw's, {mean:.4f} vs {base:.4f}): {'yes' if ok else 'NO'}, "
                          f"single seeds at or below adamw: {held} of {len(gaps)}")
-            else:  # "within 2% of AdamW's": at most 2% worse (a lower loss is no miss)
-                ok = statistics.fmean(gaps) <= WITHIN
-                held = sum(g <= WITHIN for g in gaps)
-                line += (f"\n  bar (mean gap <= +{100 * WITHIN:g}%): {'yes' if ok else 'NO'}, single seeds within it: "
+            elif name in WITHIN:  # "within x% of AdamW's": at most x% worse (a lower loss is no miss)
+                bar = WITHIN[name]
+                ok = statistics.fmean(gaps) <= bar
+                held = sum(g <= bar for g in gaps)
+                line += (f"\n  bar (mean gap <= +{100 * bar:g}%): {'yes' if ok else 'NO'}, single seeds within it: "
                          f"{held} of {len(gaps)}")
+            else:
+                ok = True  # a reference row, no bar
             failed = failed or not ok
         summary.append(line)
     print("\noptimizer state bytes: measured by each run (metrics.jsonl model_state_bytes.optimizer, after step 1) / "
