@@ -26,7 +26,7 @@ import torch
 
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from training.checkpoint import verify
 from training.safe_load import CheckpointError, read_dcp_metadata
 

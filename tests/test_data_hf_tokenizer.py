@@ -36,7 +36,7 @@ from data.tokenizer import (
     load_tokenizer,
     train_hf_tokenizer,
 )
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from tests.test_train_e2e import FAST, records, run_train
 from training.trainer import check_data
 

@@ -21,7 +21,7 @@ from data.tokenizer import Tokenizer
 from parallel.launch import LaunchEnv, init_distributed
 from parallel.layout import make_layout
 from parallel.mesh import Mesh
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from training.checkpoint import Checkpointer, file_digest
 from training.engine import Engine
 

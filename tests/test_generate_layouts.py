@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
 

@@ -12,7 +12,7 @@ import torch
 import torch.distributed as dist
 from omegaconf import OmegaConf
 
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from tests.dist_harness import run_world
 from tests.parallel_utils import checkpoint_worker
 

@@ -10,7 +10,7 @@ from pathlib import Path
 import pytest
 import torch
 
-from tests.test_scripts_bad_input import forked_python
+from tests.as_python import forked_python
 from tests.test_hf_export import ROOT, assert_close, export, our_logits, random_tokens
 from tests.test_hf_import import VOCAB, import_model, train_from_import
 

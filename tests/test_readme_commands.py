@@ -37,7 +37,7 @@ What happens to each command:
   block's directory; it must exit 0 without a traceback. It runs as ``python`` would run it (its sys.argv, a
   fresh interpreter's sys.path, the environment, exit status, tracebacks) in a process forked from
   tests/dist_harness.py's forkserver, which has torch imported, with the project's modules dropped
-  (tests/test_scripts_bad_input.py's ``run_as_python``: ~3 CPU-s less a line), except a line that sets
+  (tests/as_python.py's ``run_as_python``: ~3 CPU-s less a line), except a line that sets
   environment variables, which runs as a subprocess.
 * the same as a template: the script exists and every ``--option`` the line gives appears in its source.
 * ``python -m pytest ...``: never run (this test is part of the suite); the paths it names exist and ``-n``
@@ -453,10 +453,10 @@ def _run_forked(args: List[str], nproc: int, cwd: Path) -> subprocess.CompletedP
 
 def _run_script(cmd: Command, cwd: Path) -> subprocess.CompletedProcess:
     """A script line (``python scripts/X.py ...``, ``python -m module ...``) as ``python`` runs it, in a process forked
-    from the preloaded forkserver (tests/test_scripts_bad_input.py's ``run_as_python``) instead of a fresh
+    from the preloaded forkserver (tests/as_python.py's ``run_as_python``) instead of a fresh
     interpreter; a line that sets environment variables runs as a subprocess (they reach a fresh interpreter only:
     what torch reads at its import, say)."""
-    from tests.test_scripts_bad_input import run_as_python
+    from tests.as_python import run_as_python
 
     if cmd.env or cmd.argv[0] != "python":
         return _run(cmd.argv, cwd, cmd.env)
