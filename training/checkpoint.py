@@ -381,7 +381,7 @@ class Checkpointer:
     def _say_precision_change(self, meta: Dict[str, Any], path: Path, scaler: Optional[str]) -> None:
         """One line on rank 0 when a resume changes the precision or the GEMM path: what happens to the FP8 scaling
         state, and to the fp16 loss scale (``scaler``) where fp16 compute starts or ends."""
-        then = (meta.get("config") or {}).get("precision") or ("fp8" if meta.get("fp8") is not None else None)
+        then = _saved_precision(meta)
         now, what = self.cfg.precision, []
         if self.mesh.rank != 0 or then is None:
             return
@@ -463,12 +463,17 @@ class Checkpointer:
                 f"({compute_precision(self.cfg)} computes unscaled)")
 
 
+def _saved_precision(meta: Dict[str, Any]) -> Optional[str]:
+    """The ``precision`` of the run that wrote the checkpoint (older checkpoints: fp8 where they hold FP8 state), or
+    None where it does not say."""
+    return (meta.get("config") or {}).get("precision") or ("fp8" if meta.get("fp8") is not None else None)
+
+
 def _compute_precision(meta: Dict[str, Any]) -> Optional[str]:
     """The compute precision of the run that wrote the checkpoint (config.compute_precision of its config), or None
     where its config does not say."""
-    config = meta.get("config") or {}
-    precision = config.get("precision") or ("fp8" if meta.get("fp8") is not None else None)
+    precision = _saved_precision(meta)
     if precision is None:
         return None
-    return compute_precision(SimpleNamespace(precision=precision,
-                                             fp8=SimpleNamespace(gemm=(config.get("fp8") or {}).get("gemm", "fp8"))))
+    gemm = ((meta.get("config") or {}).get("fp8") or {}).get("gemm", "fp8")
+    return compute_precision(SimpleNamespace(precision=precision, fp8=SimpleNamespace(gemm=gemm)))

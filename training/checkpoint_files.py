@@ -105,7 +105,12 @@ def read_verified_meta(path: Path) -> Optional[Dict[str, Any]]:
     return meta if isinstance(meta, dict) and isinstance(meta.get("model"), dict) else None
 
 
-def newest_with_meta(root: Path) -> Optional[Path]:
-    """The newest ``step_*`` checkpoint under ``root`` whose meta.json passes ``read_verified_meta``, or None."""
+def newest_with_meta(root: Path) -> Tuple[Optional[Path], Optional[Dict[str, Any]]]:
+    """The newest ``step_*`` checkpoint under ``root`` whose meta.json passes ``read_verified_meta``, and that
+    meta; (None, None) where there is none."""
     names = sorted((p.name for p in root.iterdir() if STEP_DIR.match(p.name)), reverse=True) if root.is_dir() else []
-    return next((root / n for n in names if read_verified_meta(root / n) is not None), None)
+    for name in names:
+        meta = read_verified_meta(root / name)
+        if meta is not None:
+            return root / name, meta
+    return None, None

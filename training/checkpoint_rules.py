@@ -160,14 +160,16 @@ def check_start_checkpoint(cfg: Config, ckpt_dir: Path) -> None:
         elif meta is not None:
             check_resume(meta, cfg, path, own)
     elif own is not None:
-        path = newest_with_meta(own)
-        if path is not None:
-            check_resume(read_verified_meta(path), cfg, path, own)
+        path, meta = newest_with_meta(own)
+        if meta is not None:
+            check_resume(meta, cfg, path, own)
     elif c.init_from:
         given = Path(c.init_from)
         check_init_from_path(given, "checkpoint.init_from")
-        path = given if (given / "meta.json").is_file() else newest_with_meta(checkpoint_root(given))
-        meta = read_verified_meta(path) if path is not None else None
+        if (given / "meta.json").is_file():
+            path, meta = given, read_verified_meta(given)
+        else:
+            path, meta = newest_with_meta(checkpoint_root(given))
         if meta is not None:
             check_weights(meta, cfg.model, path, "checkpoint.init_from")
 
