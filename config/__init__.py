@@ -9,6 +9,8 @@ omegaconf itself; ``validate_config`` then checks the numbers against each other
 Every field carries a docstring; ``python train.py --help`` prints them.
 
   schema.py     the dataclasses, the ceilings of sizes and counts, the choices of string settings
+  run.py        the run's own sections: data, checkpoint, logging (schema.py imports them into Config)
+  moe.py, optimizer.py   the MoE and optimizers' sections; context.py: context parallelism's checks
   load.py       defaults < YAML < dotlist, and back to dict / YAML / --help lines
   validate.py   validate_config
   precision.py  what each precision computes in (fp8: by fp8.gemm)
@@ -22,7 +24,8 @@ from config.schema import (CHOICES, HF_FAMILIES, MAX_AMAX_HISTORY, MAX_BUCKET_MB
                            MAX_LOSS_SCALE, MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN,
                            MAX_TIMEOUT_S, MAX_VOCAB_SIZE, MU_RANGE, CheckpointConfig, Config, ConfigError, DataConfig,
                            Fp8Config, LoggingConfig, LossScaleConfig, ModelConfig, ParallelConfig, TrainConfig,
-                           WandbConfig, ZeroConfig)
+                           ZeroConfig)
+from config.run import WandbConfig
 from config.validate import validate_config
 
 __all__ = ["compute_precision", "fp8_operands", "gemm_precision", "grad_accumulation_precision", "check_config_size",

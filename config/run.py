@@ -1,0 +1,69 @@
+"""The run's own sections: the data it reads, the checkpoints it writes and resumes from, its logging (split from
+``schema.py``, which imports them into ``Config``). Imports nothing of the project outside ``config``."""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+from typing import List, Optional
+
+
+@dataclass
+class DataConfig:
+    paths: List[str] = field(default_factory=lambda: ["data/sample/sample_text_document"])
+    """Prefixes of preprocessed .bin/.idx pairs."""
+    weights: Optional[List[float]] = None
+    """Blending weights, one per path (default: equal)."""
+    split: List[float] = field(default_factory=lambda: [0.95, 0.05])
+    """Train/validation fractions of each dataset's documents."""
+    tokenizer: str = "data/sample/tokenizer.model"
+    """Tokenizer used to build the data: a sentencepiece .model, a Hugging Face tokenizer.json, or a directory holding
+    one (tokenizer.json first, else tokenizer.model). Its vocabulary bounds model.vocab_size; data whose .idx records
+    another tokenizer is refused."""
+
+
+@dataclass
+class CheckpointConfig:
+    dir: Optional[str] = None
+    """Checkpoint directory; default <logging.run_dir>/checkpoints. Resumes from its newest valid checkpoint."""
+    interval: int = 100
+    """Save every this many steps (0 = only at exit)."""
+    keep_last: int = 2
+    """Keep this many newest checkpoints."""
+    resume: bool = True
+    """Resume from the newest valid checkpoint in dir when there is one."""
+    load: Optional[str] = None
+    """Start from this checkpoint directory instead (e.g. another run's); must be valid."""
+    init_from: Optional[str] = None
+    """Initialise the model weights from this checkpoint (a checkpoint, a checkpoint root or a run directory; e.g.
+    the output of scripts/import_hf.py), at step 0 with a fresh optimizer, in any layout. Ignored when dir holds a
+    checkpoint to resume from (a requeued job resumes its own progress). Its model settings must equal the run's,
+    except the rotary ones and the MoE router's (no weight depends on them; a change is named on one line)."""
+    save_at_exit: bool = True
+    """Save when the run ends (max steps, time limit or SIGTERM/SIGUSR1)."""
+    allow_fresh_start: bool = False
+    """Start from step 0 even though dir holds checkpoints that cannot be used (corrupted, quarantined as
+    *.corrupt-*, or a 'latest' naming a missing one). Off: such a run stops with an error instead of
+    silently training from scratch over them; the unusable ones are then renamed aside, never deleted."""
+    on_data_change: str = "error"
+    """When a resumed run's data (file contents, split, weights, data order), train.seed or model.seq_len differ
+    from the checkpoint's fingerprint: error (refuse to start) | warn (print a warning and continue)."""
+
+
+@dataclass
+class WandbConfig:
+    mode: str = "offline"
+    """online | offline | disabled."""
+    project: str = "gpt-pretrain"
+    """wandb project."""
+    name: Optional[str] = None
+    """Run name; default the run directory's name."""
+    entity: Optional[str] = None
+    """wandb entity (team)."""
+
+
+@dataclass
+class LoggingConfig:
+    run_dir: Optional[str] = None
+    """Where metrics.jsonl, wandb files and (by default) checkpoints go; default runs/<config>-<time>."""
+    interval: int = 10
+    """Log training metrics every this many steps."""
+    wandb: WandbConfig = field(default_factory=WandbConfig)
