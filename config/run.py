@@ -66,4 +66,7 @@ class LoggingConfig:
     """Where metrics.jsonl, wandb files and (by default) checkpoints go; default runs/<config>-<time>."""
     interval: int = 10
     """Log training metrics every this many steps."""
+    straggler_factor: float = 1.5
+    """Every logging.interval the slowest rank's step time is logged against the median of all ranks'; a rank whose
+    step time stays above this factor of the median is named in one warning line (0 = no warning)."""
     wandb: WandbConfig = field(default_factory=WandbConfig)

@@ -66,6 +66,8 @@ would never be reached; each one in flight holds a unit's full buffer."""
 MAX_BUCKET_MB = 2.0**20
 """parallel.bucket_mb: 1 TiB, larger than any model's gradients (a bucket never exceeds them)."""
 MAX_TIMEOUT_S = 7 * 24 * 3600.0
+# restarts of a group inside one launch (train.max_restarts): Llama 3 saw 419 interruptions in 54 days on 16K GPUs
+MAX_RESTARTS = 10_000
 """parallel.timeout_s: a week; a collective stuck longer is a hang (and ~1e9 s overflows C++ clocks)."""
 MAX_CONFIG_BYTES = 4 * 2**20
 """A --config YAML file: 4 MiB, about a thousand times the largest preset (a blend of thousands of data.paths
@@ -365,6 +367,10 @@ class TrainConfig:
     """Run validation every this many steps (0 = never)."""
     eval_iters: int = 4
     """Global batches per validation (1 to 2**16)."""
+    max_restarts: int = 0
+    """When a rank dies, restart the whole group inside the same launch (same nodes), resuming from the newest
+    checkpoint, at most this many times; 0 = a dead rank ends the job (and SLURM's requeue, if any, takes over).
+    torchrun's --max-restarts sets the same thing for a torchrun launch."""
     time_limit_minutes: Optional[float] = None
     """Stop (saving a checkpoint) once this much wall-clock time has passed."""
     optimizer: str = "adamw"

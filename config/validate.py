@@ -9,8 +9,8 @@ from config.moe import validate_moe
 from config.optimizer import validate_optimizer
 from config.schema import (CHOICES, HF_FAMILIES, MAX_AMAX_HISTORY, MAX_BUCKET_MB, MAX_D_MODEL, MAX_EVAL_ITERS,
                            MAX_FP8_MARGIN, MAX_GLOBAL_BATCH, MAX_IN_FLIGHT, MAX_LAYERS, MAX_LOSS_SCALE,
-                           MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_SEQ_LEN, MAX_TIMEOUT_S,
-                           MAX_VOCAB_SIZE, MU_RANGE, Config, ConfigError)
+                           MAX_MICRO_BATCH_TOKENS, MAX_QGZ_STAGES, MAX_QUANT_BLOCK, MAX_RESTARTS, MAX_SEQ_LEN,
+                           MAX_TIMEOUT_S, MAX_VOCAB_SIZE, MU_RANGE, Config, ConfigError)
 
 
 def _get(cfg: Config, dotted: str):
@@ -111,6 +111,10 @@ def validate_config(cfg: Config) -> None:
     need(t.micro_batch_size < 1 or t.global_batch_size % t.micro_batch_size == 0,
          f"train.global_batch_size={t.global_batch_size} is not divisible by "
          f"train.micro_batch_size={t.micro_batch_size}")
+    within("train.max_restarts", 0, MAX_RESTARTS, "config.MAX_RESTARTS restarts inside one launch")
+    need(math.isfinite(cfg.logging.straggler_factor) and (cfg.logging.straggler_factor == 0
+                                                         or cfg.logging.straggler_factor > 1),
+         f"logging.straggler_factor={cfg.logging.straggler_factor} must be 0 (off) or a finite factor > 1")
     need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 1,
          f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 and "
          f"checkpoint.keep_last={cfg.checkpoint.keep_last} >= 1")
