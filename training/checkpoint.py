@@ -15,8 +15,8 @@ parameters as ``Shard(dim)``, the rest replicated; so a checkpoint written at on
 
 Saving writes into a hidden temporary directory, publishes it with one rename
 once every rank has finished and the manifest is written, then moves ``latest``
-and prunes old checkpoints: a crash at any point leaves the previous checkpoints
-intact. Loading verifies the manifest (sizes and hashes, spread over the ranks);
+and prunes old checkpoints (``training/checkpoint_publish.py``): a crash at any point leaves the previous
+checkpoints intact. Loading verifies the manifest (sizes and hashes, spread over the ranks);
 a corrupted checkpoint is renamed aside (``*.corrupt-<time>``) and the previous one
 used, with a warning naming the file; if none is valid the run stops with a message
 and changes nothing (``checkpoint.allow_fresh_start=true`` starts over instead). A
@@ -31,7 +31,6 @@ non-negative, mu within its bounds. What a checkpoint must share with the run th
 """
 from __future__ import annotations
 
-import errno
 import json
 import os
 import re
@@ -52,83 +51,14 @@ from training.checkpoint_files import (STEP_DIR, checkpoint_root, file_digest, f
 from training.checkpoint_rules import (MODEL_KEYS, MOE_KEYS, ROPE_KEYS, ROPE_SCALING_KEYS,  # noqa: F401 (model_record
                                        check_resume, check_weights, model_record,  # also imported from here by
                                        resumable)  # the scripts)
+from training.checkpoint_publish import publish
+from training.checkpoint_publish import save_error as _save_error  # noqa: F401 (tests reach it from here)
+from training.checkpoint_publish import write_json as _write_json  # (tests replace it here: a full disk)
 from training.engine import Engine
 from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_rng_file
 
 FORMAT_VERSION = 1
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
-def _chain(e: BaseException) -> List[BaseException]:
-    """e, its causes and contexts, and every rank's failure inside a DCP CheckpointException (recursively)."""
-    seen, out, todo = set(), [], [e]
-    while todo:
-        x = todo.pop()
-        if x is None or id(x) in seen:
-            continue
-        seen.add(id(x))
-        out.append(x)
-        todo += [x.__cause__, x.__context__]
-        failures = getattr(x, "failures", None)  # torch.distributed.checkpoint.api.CheckpointException
-        if isinstance(failures, dict):
-            todo += [f[0] if isinstance(f, tuple) else f for f in failures.values()]
-    return out
-
-
-def _oserror(e: BaseException) -> Optional[OSError]:
-    """The OSError behind e: itself, its cause/context, or one rank's failure inside a DCP CheckpointException."""
-    return next((x for x in _chain(e) if isinstance(x, OSError)), None)
-
-
-FULL_BELOW_BYTES = 16 * 2**20
-"""A failed save on a filesystem with less free space than this is reported as a full disk."""
-
-
-def _free_bytes(path: Path) -> Optional[int]:
-    for p in (path, *path.parents):
-        if p.exists():
-            try:
-                return shutil.disk_usage(p).free
-            except OSError:
-                return None
-    return None
-
-
-def _save_error(e: BaseException, tmp: Path) -> str:
-    """One line on why saving into ``tmp`` failed, naming the file when known. A full disk often reaches us without
-    its ENOSPC: torch's zip writer turns the short write into ``RuntimeError: ... unexpected pos N vs M`` inside
-    DCP's CheckpointException; so a failure with (almost) no free space left where it was writing is a full disk,
-    checked before the partial save is removed."""
-    os_err = _oserror(e)
-    where = os_err.filename if os_err is not None and os_err.filename else tmp
-    name = tmp.name.strip('.')[:-4]
-    text = " ".join(str(x) for x in _chain(e))
-    if os_err is not None and os_err.errno == errno.ENOSPC or "No space left" in text:
-        return f"no space left on device while saving checkpoint {name} ({where})"
-    free = _free_bytes(tmp) if os_err is None or os_err.errno != errno.EACCES else None
-    if free is not None and free < FULL_BELOW_BYTES:
-        return (f"no space left on device while saving checkpoint {name} ({tmp.parent}: {free / 2**20:.1f} MiB free "
-                f"when the save failed: {_first_line(e)})")
-    if "unexpected pos" in text:  # the zip writer's short write, with space free again (another writer's?)
-        return f"a write of checkpoint {name} into {tmp} was cut short (disk full or over quota?): {_first_line(e)}"
-    if os_err is not None:
-        return f"cannot write checkpoint {tmp.name.strip('.')[:-4]}: {os_err.strerror or os_err} ({where})"
-    return f"saving checkpoint into {tmp} failed: {_first_line(e)}"
-
-
-def _first_line(e: BaseException) -> str:
-    """The innermost failure's type and first line (a CheckpointException's own text names only ranks)."""
-    x = next((x for x in _chain(e) if not getattr(x, "failures", None)), e)
-    return f"{x.__class__.__name__}: {str(x).splitlines()[0] if str(x) else ''}"
-
-
-def _write_json(path: Path, obj: Any) -> None:
-    tmp = path.with_name(path.name + ".tmp")
-    with open(tmp, "w") as f:
-        json.dump(obj, f, indent=1, sort_keys=True)
-        f.flush()
-        os.fsync(f.fileno())
-    os.replace(tmp, path)
-
-
 class Checkpointer:
     def __init__(self, cfg: Config, directory: str, engine: Engine):
         # the engine's config: ``cfg`` with what the engine resolved (precision=fp8: fp8.gemm by the device)
@@ -245,22 +175,7 @@ class Checkpointer:
         return final
 
     def _publish(self, tmp: Path, final: Path, protect: Optional[Path] = None) -> None:
-        trash = None
-        if final.exists():  # re-saving a step (e.g. after a fall-back): swap, then drop the old one
-            trash = final.with_name(f".{final.name}.old")
-            shutil.rmtree(trash, ignore_errors=True)
-            os.rename(final, trash)
-        os.rename(tmp, final)
-        latest_tmp = self.dir / "latest.tmp"
-        latest_tmp.write_text(final.name + "\n")
-        os.replace(latest_tmp, self.dir / "latest")
-        if trash is not None:
-            shutil.rmtree(trash, ignore_errors=True)
-        complete = sorted(p for p in self.dir.iterdir() if STEP_DIR.match(p.name))
-        keep = {final, Path(protect)} if protect is not None else {final}
-        for old in complete[:-self.cfg.checkpoint.keep_last]:
-            if old not in keep:
-                shutil.rmtree(old, ignore_errors=True)
+        publish(self.dir, tmp, final, self.cfg.checkpoint.keep_last, protect)
 
     # -- find and verify ----------------------------------------------------------------------------
     def _verify(self, path: Path) -> Optional[str]:
