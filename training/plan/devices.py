@@ -14,6 +14,16 @@ from dataclasses import dataclass, field
 from typing import Dict, Optional
 
 
+ZERO_INTRA_EFFICIENCY = 0.4
+"""ZeRO's parameter and gradient collectives inside a node reach 0.4 of LINK_EFFICIENCY x NVLink (each GPU kind's
+``zero_intra_efficiency``; the cpu kind has its own fit): ONE CONSTANT for the GPU kinds, fitted by hand to seed
+003's Tables 1(a), 1(b) and 7 (scripts/plan_check.py) together with the DGX-2's ``nic_cap_gbit``, where ZeRO++'s
+rows at 8 IB connections (bound by the NVSwitch hops: hpZ's secondary gather, qwZ's and qgZ's intra-node steps)
+need it. Our reading, not measured: the gathered parameters and the reduced gradients are also copied in and out
+of flat buffers, memory-bound work the byte count alone does not see. TP, CP, EP and PP use the link at
+LINK_EFFICIENCY."""
+
+
 @dataclass(frozen=True)
 class Device:
     name: str
@@ -36,6 +46,11 @@ class Device:
     sources: Dict[str, str] = field(default_factory=dict, compare=False)
     fp32_ratio: float = 0.5
     """fp32 GEMMs' peak over the 16-bit one (TF32 tensor cores on A100/H100/H200: half; V100 has no TF32)."""
+    zero_intra_efficiency: float = ZERO_INTRA_EFFICIENCY
+    """The share of the intra-node link ZeRO's parameter and gradient collectives reach (ZERO_INTRA_EFFICIENCY)."""
+    nic_cap_gbit: Optional[float] = None
+    """The most a node's NICs carry together in collectives (Gbit/s after LINK_EFFICIENCY), where that is less
+    than their count times their rate; None: no such limit known."""
 
     def peak(self, fp8: bool, fp32: bool = False) -> float:
         """The dense peak in FLOP/s for 16-bit GEMMs, FP8 ones where the GPU has FP8 tensor cores, or fp32 ones."""
@@ -59,6 +74,13 @@ rows (docs/benchmarks.md 'Emulated cluster (CPU)', and plan_check.py's runs): no
 gloo threads share two cores, so the CPU work of sending (copies, TCP) takes the compute's cores; on a quiet
 machine 0.5 fits as well (within 10%), under other jobs' load only 0."""
 
+DGX2_NIC_CAP_SOURCE = (
+    "fitted by hand to seed 003's Table 1(a) 8 IB rows (one constant for every DGX-2 row): the 8 NICs of a DGX-2 "
+    "carry ~320 Gbit/s together in ZeRO's collectives, not 8 x 90. The paper's own reading requires a cap of this "
+    "kind: at 8 IB ZeRO++, which cuts the cross-node bytes 4x and not the NVSwitch ones, is still 1.3x faster than "
+    "ZeRO-3 (Table 1(a), §4.2), and ZeRO++ at 2 IB beats ZeRO-3 at 8 IB (Figure 7), so ZeRO-3 at 8 IB is bound by the "
+    "cross-node link; its published step times imply ~40 GB/s per node")
+
 DEVICES: Dict[str, Device] = {
     "v100": Device(
         "v100", 125.0, None, 0.70, 32 * 10**9, 900.0, 150.0, 16, 800.0,
@@ -69,7 +91,8 @@ DEVICES: Dict[str, Device] = {
          "memory": "V100 SXM3 32 GB HBM2, 900 GB/s (datasheet); the DGX-2 of seed 003 §4.1",
          "nvlink_gbps": "NVSwitch (DGX-2): 300 GB/s bidirectional per GPU = 150 one way (datasheet; SPEC §10)",
          "node": "DGX-2: 16 GPUs, 8 x 100 Gbit/s InfiniBand EDR = 800 Gbit/s (seed 003 §4.1)",
-         "fp32_ratio": "V100 datasheet: 15.7 TFLOP/s fp32 (no TF32) of 125"}, fp32_ratio=15.7 / 125),
+         "fp32_ratio": "V100 datasheet: 15.7 TFLOP/s fp32 (no TF32) of 125",
+         "nic_cap_gbit": DGX2_NIC_CAP_SOURCE}, fp32_ratio=15.7 / 125, nic_cap_gbit=320.0),
     "a100": Device(
         "a100", 312.0, None, 0.80, 80 * 10**9, 2039.0, 300.0, 8, 1600.0,
         OVERLAP_GPU, {"peak_tflops": "NVIDIA A100 datasheet: 312 TFLOP/s bf16/fp16 dense tensor",
@@ -103,16 +126,11 @@ DEVICES: Dict[str, Device] = {
                    "assumed",
          "nvlink_gbps": "assumption: 1 GB/s between two ranks of one emulated node (gloo over loopback)",
          "node": "the emulated cluster (scripts/bench_cluster.py): 2 ranks per namespace, 100 Mbit/s tbf link",
-         "fp32_ratio": "1: the measured rate is the dtype the trainer multiplies in (calibrate.measure_cpu)"},
-        fp32_ratio=1.0),
+         "fp32_ratio": "1: the measured rate is the dtype the trainer multiplies in (calibrate.measure_cpu)",
+         "zero_intra_efficiency": "1/3, fitted by hand with OVERLAP_EMULATED to scripts/bench_cluster.py's rows "
+                                  "(with the assumed 1 GB/s loopback link: their product is what the fit sets)"},
+        fp32_ratio=1.0, zero_intra_efficiency=1 / 3),
 }
-
-ZERO_INTRA_EFFICIENCY = 1 / 3
-"""ZeRO's parameter and gradient collectives inside a node reach a third of LINK_EFFICIENCY x NVLink: ONE GLOBAL
-CONSTANT, fitted by hand to seed 003's Tables 1(a), 1(b) and 7 (scripts/plan_check.py), where the ZeRO-3 rows at
-8 IB connections (comm bound neither by the NICs nor by compute) need it. Our reading, not measured: the
-gathered parameters and the reduced gradients are also copied in and out of flat buffers, memory-bound work the
-byte count alone does not see. TP, CP, EP and PP use the link at LINK_EFFICIENCY."""
 
 LINK_EFFICIENCY = 0.90
 """Fraction of a link's line rate a bandwidth-bound collective reaches. Source: assumption in line with
@@ -144,7 +162,9 @@ class Cluster:
 
     @property
     def inter_node_Bps(self) -> float:
-        return self.inter_node_gbit * 1e9 / 8 * LINK_EFFICIENCY
+        rate = self.inter_node_gbit * 1e9 / 8 * LINK_EFFICIENCY
+        cap = self.device.nic_cap_gbit
+        return min(rate, cap * 1e9 / 8) if cap else rate
 
     @property
     def intra_node_Bps(self) -> float:

@@ -65,3 +65,16 @@ def overrides(model: str, tokens: int, gpus: int, system: str, gpus_per_node: in
     elif system == "hpz":
         keys += [f"zero.hpz_size={gpus_per_node}"]
     return keys
+
+
+def zero3_link_bound(row: Dict[str, object]) -> float:
+    """The most ZeRO-3 TFLOP/s per GPU (the paper's convention: 8 x parameters x tokens per step) the row's stated
+    link allows, whatever the model: each step every node must take in, for each of the two parameter all-gathers
+    (forward, backward) and the fp16 gradient reduce-scatter, the (1 - G/N) of the 2-byte parameters it does not
+    hold, through its NICs at their full line rate, with no compute time and nothing else on the link. Per GPU
+    this is 8 x tokens x rate / (6 x (1 - G/N)), independent of the model's size. A published figure above it
+    says the row's link was faster than stated."""
+    share = 1 - int(row["gpus_per_node"]) / int(row["gpus"])
+    rate = float(row["inter_gbit"]) * 1e9 / 8
+    return 8 * int(row["tokens"]) * rate / (6 * share) / 1e12 if share > 0 else float("inf")
+

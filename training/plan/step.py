@@ -22,7 +22,7 @@ from typing import Dict, Optional
 from config import Config
 from parallel.layout import Layout, kv_replicas
 from training.plan import costs
-from training.plan.devices import LATENCY_INTER_S, LATENCY_INTRA_S, ZERO_INTRA_EFFICIENCY, Cluster
+from training.plan.devices import LATENCY_INTER_S, LATENCY_INTRA_S, Cluster
 from training.plan.formulas import (BACKWARD_FACTOR, attention_time, bubble_fraction, exposed, gemm_time,
                                     memory_time)
 
@@ -99,7 +99,7 @@ def group_parts(group: str, nbytes: float, calls: float, layout: Layout, cluster
     if nbytes <= 0:
         return 0.0, 0.0, 0.0
     g = cluster.gpus_per_node
-    intra_Bps = cluster.intra_node_Bps * (ZERO_INTRA_EFFICIENCY if group in PARAMETER_GROUPS else 1.0)
+    intra_Bps = cluster.intra_node_Bps * (cluster.device.zero_intra_efficiency if group in PARAMETER_GROUPS else 1.0)
     if group in INTRA_GROUPS:
         n = {"tp": layout.tp, "tp_kv": layout.tp, "dp_intra": layout.dp_intra_size,
              "qwz_intra": layout.dp_intra_size, "dp_hpz": layout.dp_intra_size}[group]
