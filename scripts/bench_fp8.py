@@ -4,6 +4,7 @@
     python scripts/bench_fp8.py --presets gpt_350m --steps 40 --micro-batch 2
     python scripts/bench_fp8.py --recompute off selective full    # each row with each recompute setting
     python scripts/bench_fp8.py --no-peers train.compile=false    # the trainer alone, eager
+    python scripts/bench_fp8.py --json bench_fp8.json             # also the rows as JSON: plan.py --calibrate
 
 Each row runs ``train.py --config configs/<preset>.yaml precision=... model.activation_checkpointing=...``
 on one device (the preset's model and optimiser, the bundled sample corpus, ``--accum`` micro-batches of
@@ -19,6 +20,10 @@ Peers (``--peers``, the default): for each preset, the same model shape as a pla
 with torchao's float8 training (tensorwise; ``requirements-gpu.txt``), in the same invocation, same micro-batch,
 accumulation and steps. Two ratio columns: against this trainer's bf16 row of the same preset and recompute
 setting, and against the compiled plain bf16 row. A peer that cannot run (torchao missing) shows its error.
+
+``--json FILE`` also writes the device, the settings and every row (``source: "scripts/bench_fp8.py"``): the file
+``scripts/plan.py --calibrate`` reads to fit the planner's GEMM rates to this trainer's measured steps
+(training/plan/measured.py).
 """
 from __future__ import annotations
 
@@ -97,10 +102,15 @@ def main(argv=None) -> int:
     ap.add_argument("--accum", type=int, default=4)
     ap.add_argument("--peers", action=argparse.BooleanOptionalAction, default=True,
                     help="plain PyTorch rows (compiled bf16, + torchao float8) per preset")
+    ap.add_argument("--json", help="also write the device, the settings and the rows as JSON here (the file "
+                                   "scripts/plan.py --calibrate reads)")
     ap.add_argument("overrides", nargs="*", help="extra key=value overrides for every trainer run")
     args = ap.parse_args(argv)
     # bad input before the first row (each takes minutes): one line, exit code 2 (scripts/_cli.py)
-    from _cli import InputError, at_least, load_config as checked_config, preset as preset_file
+    from _cli import InputError, at_least, load_config as checked_config, output_file, preset as preset_file
+
+    if args.json:
+        output_file(args.json, "--json")
 
     args.preset_files = {name: preset_file(name, "--presets") for name in args.presets}
     for option in ("steps", "micro_batch", "accum"):
@@ -139,7 +149,11 @@ def main(argv=None) -> int:
     from config import load_config
     from model.flops import flops_per_token
 
-    def row(preset, recompute, label, r, ours_bf16, plain) -> None:
+    rows = []
+
+    def row(preset, recompute, label, r, ours_bf16, plain, precision=None) -> None:
+        rows.append({"preset": preset, "config": os.path.relpath(args.preset_files[preset], ROOT),
+                     "recompute": recompute, "run": label, "precision": precision, **r})
         if "error" in r:
             print(f"| {preset} | {recompute} | {label} | failed: {r['error']} ||||||||", flush=True)
             return
@@ -170,9 +184,14 @@ def main(argv=None) -> int:
                         base = r["tokens_per_s"]
                         if recompute == "off" or ours_bf16 is None:
                             ours_bf16 = base
-                    row(preset, recompute, f"this trainer, {precision}", r, base, plain)
+                    row(preset, recompute, f"this trainer, {precision}", r, base, plain, precision)
             for label, r in peers:
                 row(preset, "off", label, r, ours_bf16, plain)
+    if args.json:
+        Path(args.json).write_text(json.dumps({
+            "source": "scripts/bench_fp8.py", "device": name, "versions": versions, "steps": args.steps,
+            "warmup": args.warmup, "micro_batch": args.micro_batch, "accum": args.accum,
+            "overrides": args.overrides, "rows": rows}, indent=1))
     return 0
 
 

@@ -15,7 +15,8 @@
 #   3b. the FP8 cast-and-transpose kernels against the same casts compiled by inductor: scripts/bench_fp8_cast.py.
 #   4. speed: python scripts/bench_fp8.py (tokens/s, TFLOP/s, MFU of gpt_1.3b, bf16 and fp8, recompute off,
 #      micro-batch 4 x 4, train.compile on), beside its peers in the same invocation: the same shape as a plain
-#      PyTorch script compiled per block, and that script with torchao float8 (ratio columns).
+#      PyTorch script compiled per block, and that script with torchao float8 (ratio columns). Its rows also go to
+#      OUTDIR/bench_fp8.json: python scripts/plan.py --calibrate OUTDIR fits the planner's GEMM rates to them.
 #   4b. the fp8 row again with fp8.cast_transpose=true (kernels/fp8_transpose.py instead of inductor's casts).
 #   4c. the fp8 row again with fp8.scaling=current (whether current scaling should be the default).
 #   4d. FP8-LM's 16-bit GEMM paths forced on this GPU (fp8.gemm=bf16: an A100's, fp8.gemm=fp16: a V100's, under the
@@ -121,7 +122,7 @@ run 3b 120 bench_fp8_cast.log "$PY" scripts/bench_fp8_cast.py
 section "4. speed: tokens/s, TFLOP/s and MFU on one GPU"
 # shellcheck disable=SC2086
 run 4 480 bench_fp8.log "$PY" scripts/bench_fp8.py --presets $PRESETS --recompute $RECOMPUTE \
-    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4
+    --steps "$STEPS" --warmup 4 --micro-batch 4 --accum 4 --json "$OUT/bench_fp8.json"
 
 section "4b. speed: fp8 with the cast-and-transpose kernels (fp8.cast_transpose=true)"
 # shellcheck disable=SC2086

@@ -6,6 +6,7 @@
   step.py       one layout's prediction: compute, bubble, each group's exposed communication, optimizer
   search.py     every valid layout, ranked by predicted tokens/s among those that fit
   calibrate.py  measurements in place of the table's figures (--calibrate FILE; the cpu kind measures itself)
+  measured.py   what the benchmark scripts write (bench_fp8.py, gpu_check.sh, bench_cluster.py), read as calibration
   seeds.py      seed 003's (ZeRO++) cluster tables, for scripts/plan_check.py
 """
 from __future__ import annotations

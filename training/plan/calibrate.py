@@ -11,6 +11,9 @@
   overlap            the share of a compute window communication hid behind (bench_cluster.py's overlap)
   gpu                (optional) the kind the figures belong to: refused when it is not --gpu's
 
+or what a benchmark script wrote, read by measured.py: scripts/bench_fp8.py --json (or a scripts/gpu_check.sh
+OUTDIR: its bench_fp8.json), scripts/bench_cluster.py --json, scripts/bench_cluster.py --probe --json.
+
 The ``cpu`` kind measures this CPU by itself (``measure_cpu``, a few seconds): the GEMM rate at the model's own
 shapes (the MLP's [tokens, d] x [d, ffn] in the compute dtype) and a large copy's bandwidth. The ranks of an
 emulated cluster share this machine's cores, so a rank's rate is the machine's divided by the ranks.
@@ -28,7 +31,19 @@ KEYS = ("gemm_tflops", "fp8_gemm_tflops", "memory_gbps", "inter_node_gbit", "int
 
 
 def read(path: str) -> list:
-    """The calibration objects of ``path`` (one JSON object, or JSON lines)."""
+    """The calibration objects of ``path``: one JSON object or JSON lines of KEYS, or what a benchmark script
+    wrote (measured.py: scripts/bench_fp8.py's or scripts/bench_cluster.py's --json file, or a
+    scripts/gpu_check.sh OUTDIR, whose bench_fp8.json is read)."""
+    from pathlib import Path
+
+    from training.plan import measured
+
+    if Path(path).is_dir():
+        inside = Path(path) / "bench_fp8.json"
+        if not inside.is_file():
+            raise PlanInputError(f"--calibrate {path}: a directory without bench_fp8.json (a scripts/gpu_check.sh "
+                                 "OUTDIR has one after its step 4)")
+        path = str(inside)
     try:
         with open(path, encoding="utf-8") as f:
             text = f.read()
@@ -41,6 +56,8 @@ def read(path: str) -> list:
             items = [json.loads(line) for line in text.splitlines() if line.strip()]
         except json.JSONDecodeError as e:
             raise PlanInputError(f"--calibrate {path}: malformed JSON ({e.msg} at line {e.lineno})") from None
+    if len(items) == 1 and measured.detect(items[0]):
+        items = measured.items(measured.detect(items[0]), items[0], path)
     for item in items:
         if not isinstance(item, dict):
             raise PlanInputError(f"--calibrate {path}: expected JSON objects, got {type(item).__name__}")
@@ -48,7 +65,10 @@ def read(path: str) -> list:
         if unknown:
             raise PlanInputError(f"--calibrate {path}: unknown key(s) {', '.join(unknown)}; known: {', '.join(KEYS)}")
         for k, v in item.items():
-            if k != "gpu" and not (isinstance(v, (int, float)) and not isinstance(v, bool) and v > 0):
+            number = isinstance(v, (int, float)) and not isinstance(v, bool)
+            if k == "overlap" and not (number and 0 <= v <= 1):
+                raise PlanInputError(f"--calibrate {path}: overlap must be a share in [0, 1], got {v!r}")
+            if k not in ("gpu", "overlap") and not (number and v > 0):
                 raise PlanInputError(f"--calibrate {path}: {k} must be a positive number, got {v!r}")
     return items
 
