@@ -106,15 +106,22 @@ def test_zero_bytes_fitted_on_the_micro_batches_are_the_volumes(zero):
         assert fitted[group] == pytest.approx(v)
 
 
-def test_shared_meta_restores_the_originals():
+def test_shared_meta_memoises_only_inside_and_keys_on_the_split():
     import parallel.zero.units as units
-    import training.memory as memory
-    from parallel.layout import Layout
+    from parallel.layout import make_layout
 
-    before = (units.meta_chunks, memory.meta_chunks, Layout.dp_intra_ranks)
+    cfg = _cfg()
+    layout = make_layout(cfg, 8, 8)
+    assert units.meta_chunks(cfg, layout, 0) is not units.meta_chunks(cfg, layout, 0)  # outside: built each time
     with costs.shared_meta():
-        assert units.meta_chunks is not before[0]
-    assert (units.meta_chunks, memory.meta_chunks, Layout.dp_intra_ranks) == before
+        first = units.meta_chunks(cfg, layout, 0)
+        full = _cfg("model.activation_checkpointing=full")  # recomputation changes no shape: the same entry
+        assert units.meta_chunks(full, layout, 0) is first
+        tp2 = make_layout(_cfg("parallel.tp=2"), 8, 8)
+        assert units.meta_chunks(cfg, tp2, 0) is not first
+    assert units._MEMO is None
+    with costs.shared_meta():  # the planner's memo outlives one call
+        assert units.meta_chunks(cfg, layout, 0) is first
 
 
 def test_the_prediction_adds_up_and_counts_model_flops():

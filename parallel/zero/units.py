@@ -17,8 +17,10 @@ memory, no initialisation) for the memory estimator and the analytic volume.
 """
 from __future__ import annotations
 
+import contextlib
+import dataclasses
 from dataclasses import dataclass, field
-from typing import List, Sequence
+from typing import Dict, List, Optional, Sequence
 
 import torch
 from torch import nn
@@ -76,8 +78,41 @@ def chunk_units(chunk: nn.Module) -> tuple:
     return units, uses
 
 
+_MEMO: Optional[Dict[tuple, Sequence[GPTChunk]]] = None
+"""meta_chunks' results while ``memoised_meta`` is entered (None: off); at most ``_MEMO_MAX`` kept."""
+_MEMO_MAX = 64
+
+
+@contextlib.contextmanager
+def memoised_meta(memo: Optional[Dict[tuple, Sequence[GPTChunk]]] = None):
+    """Within it, ``meta_chunks`` returns the same chunks for the same model, precision and split (the planner
+    estimates thousands of layouts of one model: building the modules dominated its time), kept in ``memo``
+    (one that outlives the ``with``: the caller's) or a fresh dict. The callers only read the chunks' shapes and
+    parameter order; nested use without a memo of its own shares the outer one."""
+    global _MEMO
+    outer = _MEMO
+    _MEMO = memo if memo is not None else {} if outer is None else outer
+    try:
+        yield
+    finally:
+        _MEMO = outer
+
+
 def meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]:
     """A pipeline rank's chunks with meta tensors: the real modules' shapes and parameter order, no data."""
+    if _MEMO is None:
+        return _build_meta_chunks(cfg, layout, pp_rank)
+    # recomputation changes no shape or parameter: one entry serves off, selective and full
+    key = (repr(dataclasses.replace(cfg.model, activation_checkpointing="off")), cfg.precision, repr(cfg.fp8),
+           layout.tp, layout.sequence_parallel, layout.ep, layout.pp, layout.virtual_stages, pp_rank)
+    if key not in _MEMO:
+        if len(_MEMO) >= _MEMO_MAX:
+            _MEMO.clear()
+        _MEMO[key] = _build_meta_chunks(cfg, layout, pp_rank)
+    return _MEMO[key]
+
+
+def _build_meta_chunks(cfg: Config, layout: Layout, pp_rank: int) -> Sequence[GPTChunk]:
     tp = Group("tp", None, list(range(layout.tp)), 0, "intra", Ledger())
     replicas = kv_replicas(cfg.model.kv_heads, layout.tp)
     kv_group = Group("tp_kv", None, list(range(replicas)), 0, "intra", Ledger()) if replicas > 1 else None

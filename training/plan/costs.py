@@ -13,14 +13,13 @@ data-parallel bytes from the parameters each group holds (ring reduce-scatter / 
 """
 from __future__ import annotations
 
-import contextlib
 import dataclasses
 from typing import Dict, Tuple
 
 from config import Config
 from parallel.layout import Layout
 
-_CHUNKS: Dict[tuple, object] = {}
+_CHUNKS: Dict[tuple, list] = {}  # meta_chunks' memo across the planner's calls
 _CACHE: Dict[tuple, object] = {}
 _MAX = 4096
 
@@ -56,30 +55,12 @@ def parameters(cfg: Config) -> Dict[str, int]:
     return _memo(("params", model_key(cfg)), make)
 
 
-@contextlib.contextmanager
 def shared_meta():
-    """Memoise ``meta_chunks`` for the estimator and the volume while the planner runs (restored after)."""
-    import parallel.zero.units as units
-    import training.memory as memory
+    """Memoise ``meta_chunks`` for the estimator and the volume while the planner runs
+    (``parallel.zero.units.memoised_meta``)."""
+    from parallel.zero.units import memoised_meta
 
-    original = units.meta_chunks
-
-    def cached(cfg: Config, layout: Layout, pp_rank: int):
-        key = (model_key(cfg), cfg.precision, repr(cfg.fp8), layout.tp, layout.sequence_parallel, layout.ep,
-               layout.pp, layout.virtual_stages, pp_rank)
-        if key not in _CHUNKS:
-            if len(_CHUNKS) > 64:
-                _CHUNKS.clear()
-            _CHUNKS[key] = original(cfg, layout, pp_rank)
-        return _CHUNKS[key]
-
-    units.meta_chunks = cached
-    memory.meta_chunks = cached
-    try:
-        yield
-    finally:
-        units.meta_chunks = original
-        memory.meta_chunks = original
+    return memoised_meta(_CHUNKS)
 
 
 def _memo(key: tuple, make):
