@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass, field
-from typing import List, Optional
+from typing import List, Optional, Union
 
 
 @dataclass
@@ -24,8 +24,18 @@ class DataConfig:
 class CheckpointConfig:
     dir: Optional[str] = None
     """Checkpoint directory; default <logging.run_dir>/checkpoints. Resumes from its newest valid checkpoint."""
-    interval: int = 100
-    """Save every this many steps (0 = only at exit)."""
+    interval: Union[int, str] = 100
+    """Save every this many steps (0 = only at exit), or auto: the Young/Daly interval sqrt(2 x save stall x
+    checkpoint.mtbf_hours) from the measured save stall and step time, chosen again after every save (the first save
+    comes after the second step; one line says what it chose and why)."""
+    mtbf_hours: Optional[float] = None
+    """Mean time between failures of the whole job, in hours (e.g. a node's MTBF / the nodes); needed by, and only
+    read with, checkpoint.interval=auto."""
+    async_save: bool = False
+    """Asynchronous saves: the step that saves copies the state to CPU (pinned under CUDA; one more copy of the state
+    per rank, kept between saves) and a background writer writes, hashes and publishes it while training goes on;
+    same files, manifest and publish-by-rename as a synchronous save, at most one save in flight, the final save
+    waited for. (``async`` is a Python keyword: it cannot name a field.)"""
     keep_last: int = 2
     """Keep this many newest checkpoints."""
     resume: bool = True

@@ -115,9 +115,19 @@ def validate_config(cfg: Config) -> None:
     need(math.isfinite(cfg.logging.straggler_factor) and (cfg.logging.straggler_factor == 0
                                                          or cfg.logging.straggler_factor > 1),
          f"logging.straggler_factor={cfg.logging.straggler_factor} must be 0 (off) or a finite factor > 1")
-    need(cfg.checkpoint.interval >= 0 and cfg.checkpoint.keep_last >= 1,
-         f"checkpoint.interval={cfg.checkpoint.interval} must be >= 0 and "
-         f"checkpoint.keep_last={cfg.checkpoint.keep_last} >= 1")
+    c = cfg.checkpoint
+    interval_ok = c.interval == "auto" or isinstance(c.interval, int) and not isinstance(c.interval, bool)
+    need(interval_ok, f"checkpoint.interval={c.interval!r} must be a number of steps >= 0 or auto")
+    need(not interval_ok or c.interval == "auto" or c.interval >= 0,
+         f"checkpoint.interval={c.interval} must be >= 0 (0: only at exit) or auto")
+    need(c.keep_last >= 1, f"checkpoint.keep_last={c.keep_last} must be >= 1")
+    need(c.interval != "auto" or c.mtbf_hours is not None,
+         "checkpoint.interval=auto needs checkpoint.mtbf_hours (the job's mean time between failures, in hours)")
+    need(c.mtbf_hours is None or math.isfinite(c.mtbf_hours) and c.mtbf_hours > 0,
+         f"checkpoint.mtbf_hours={c.mtbf_hours} must be a finite number of hours > 0")
+    need(c.mtbf_hours is None or c.interval == "auto",
+         f"checkpoint.mtbf_hours={c.mtbf_hours} is read only with checkpoint.interval=auto (got "
+         f"checkpoint.interval={c.interval})")
     need(cfg.checkpoint.init_from is None or cfg.checkpoint.init_from.strip() != "",
          "checkpoint.init_from is empty: give a checkpoint path or leave it unset")
     need(not (cfg.checkpoint.init_from and cfg.checkpoint.load),

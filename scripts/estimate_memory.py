@@ -43,7 +43,8 @@ def main(argv=None) -> int:
     validate_config(cfg)
     layout = make_layout(cfg, args.world, args.ranks_per_node or cfg.parallel.ranks_per_node or 8)
     from model.flops import parameter_count  # torch and the model: after the input is checked
-    from training.memory import COMPONENTS, activation_bytes, held_parameters, model_state_bytes
+    from training.memory import (COMPONENTS, activation_bytes, checkpoint_staging_bytes, held_parameters,
+                                 model_state_bytes)
     whole = cfg.train.optimizer != "adamw"  # its ZeRO stages need whole-tensor shards (config/optimizer.py)
     partition = "whole_tensor at stages 1-3" if whole else cfg.zero.partition
     print(f"{layout.describe()}\nprecision={cfg.precision}, train.optimizer={cfg.train.optimizer}, "
@@ -71,6 +72,9 @@ def main(argv=None) -> int:
               if layout.cp > 1 else "")
         print(f"activations (seed 004, per rank, micro-batches in flight{cp}): "
               + ", ".join(f"{k} {gib(v).strip()} GiB" for k, v in act.items()))
+        if cfg.checkpoint.async_save:
+            print(f"checkpoint.async_save staging copy (host memory, zero.stage={cfg.zero.stage}): "
+                  f"{gib(checkpoint_staging_bytes(cfg, layout, rank)).strip()} GiB")
     return 0
 
 

@@ -58,6 +58,14 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "bad_row": ["--rows", "!no_such_row"],
         "repeat_0": ["!--repeat", "0"],
     },
+    "bench_async_save.py": {
+        "missing": ["--dir", "!{binary}/runs"],
+        "wrong_kind": ["--dir", "!{binary}"],
+        "binary": ["!{binary}"],
+        "malformed": ["!" + MALFORMED_OVERRIDE],
+        "unknown_key": ["model.no_such_key=1", "?model.no_such_key"],
+        "saves_0": ["!--saves", "0"],
+    },
     "bench_context_cluster.py": {
         "missing": ["--workdir", "!{binary}/runs"],
         "wrong_kind": ["--workdir", "!{binary}"],

@@ -36,9 +36,10 @@ import os
 import re
 import shutil
 import time
+from dataclasses import dataclass
 from pathlib import Path
 from types import SimpleNamespace
-from typing import Any, Dict, List, Optional
+from typing import Any, Callable, Dict, List, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
@@ -51,6 +52,7 @@ from training.checkpoint_files import (STEP_DIR, checkpoint_root, file_digest, f
 from training.checkpoint_rules import (MODEL_KEYS, MOE_KEYS, ROPE_KEYS, ROPE_SCALING_KEYS,  # noqa: F401 (model_record
                                        check_resume, check_weights, model_record,  # also imported from here by
                                        resumable)  # the scripts)
+from training import checkpoint_publish
 from training.checkpoint_publish import publish
 from training.checkpoint_publish import save_error as _save_error  # noqa: F401 (tests reach it from here)
 from training.checkpoint_publish import write_json as _write_json  # (tests replace it here: a full disk)
@@ -59,6 +61,24 @@ from training.safe_load import CheckpointError, check_rng_files, load_dcp, read_
 
 FORMAT_VERSION = 1
 _QUARANTINED = re.compile(r"^step_\d{8}\.corrupt-\d+$")
+@dataclass
+class SaveJob:
+    """One save between ``Checkpointer.stage`` and ``Checkpointer.write``."""
+
+    step: int
+    final: Path
+    tmp: Path
+    protect: Optional[Path]
+    error: Optional[str] = None
+    """Why it failed already (the temporary directory could not be made, the state not taken)."""
+    tensors: Optional[Dict[str, torch.Tensor]] = None
+    rng: Optional[Dict[str, Any]] = None
+    meta: Optional[Dict[str, Any]] = None
+    """meta.json's contents (rank 0)."""
+    release: Callable[[], None] = lambda: None
+    """Drops the strategies' staging views once the tensors are written (synchronous save)."""
+
+
 class Checkpointer:
     def __init__(self, cfg: Config, directory: str, engine: Engine):
         # the engine's config: ``cfg`` with what the engine resolved (precision=fp8: fp8.gemm by the device)
@@ -124,55 +144,90 @@ class Checkpointer:
         A failure on any rank (full disk, I/O error) removes the partial save, keeps every published
         checkpoint and raises CheckpointError naming the cause and the path on every rank.
         """
+        return self.write(self.stage(step, consumed_samples, protect), self.world)
+
+    def stage(self, step: int, consumed_samples: int, protect: Optional[Path] = None,
+              copy: Optional[Callable[[Dict[str, torch.Tensor]], Dict[str, torch.Tensor]]] = None) -> SaveJob:
+        """What saving ``step`` will write, taken now (collective): rank 0 makes the temporary directory (every rank
+        learns whether it could), the state to write, the RNG streams and (rank 0) meta.json's contents. ``copy``
+        (the asynchronous writer's) returns a copy of the state the training can go on beside; the strategies'
+        staging views are then dropped at once, else after the write."""
         name = f"step_{step:08d}"
-        final, tmp = self.dir / name, self.dir / f".{name}.tmp"
-        error = None
+        job = SaveJob(step, self.dir / name, self.dir / f".{name}.tmp", protect)
         if self.mesh.rank == 0:
             try:
                 self.dir.mkdir(parents=True, exist_ok=True)
                 for stale in self.dir.glob(".step_*.tmp"):  # a dead save of this run: the run lock excludes others
                     shutil.rmtree(stale, ignore_errors=True)
-                tmp.mkdir()
+                job.tmp.mkdir()
             except OSError as e:
-                error = _save_error(e, tmp)
-        error = comm.broadcast_object(error, 0, self.world)
+                job.error = _save_error(e, job.tmp)
+        job.error = comm.broadcast_object(job.error, 0, self.world)
+        job.release = self._release_staged
+        if job.error is None:
+            try:
+                job.tensors = self._tensors(for_load=False, with_optimizer=True)
+                if copy is not None:
+                    job.tensors = copy(job.tensors)
+            except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported by write, on every rank
+                job.error = _save_error(e, job.tmp)
+            finally:
+                if copy is not None:
+                    self._release_staged()
+                    job.release = lambda: None
+            job.rng = {"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)}
+        if self.mesh.rank == 0:  # (a JSON copy: nothing in it changes while it waits to be written)
+            job.meta = json.loads(json.dumps(self._meta(step, consumed_samples)))
+        return job
+
+    def _release_staged(self) -> None:
+        getattr(self.engine.dp, "forget_staged", lambda: None)()  # 8-bit AdamW's fp32 views of its moments
+        getattr(self.engine.dp, "after_save", lambda: None)()  # drop staging copies (fp8)
+
+    def write(self, job: SaveJob, group: comm.Group) -> Path:
+        """Write a staged save, hash this rank's files, and (rank 0) write meta.json and the manifest, then publish
+        (``training/checkpoint_publish.py``). Collective over ``group`` (the world, or the asynchronous writer's
+        group of the same ranks); raises CheckpointError on every rank if any failed, the partial save removed."""
+        tmp, error = job.tmp, job.error
         hashes: Dict[str, Any] = {}
         if error is None:
             try:  # dcp.save gathers every rank's failure, so all ranks fail here together
-                dcp.save(self._tensors(for_load=False, with_optimizer=True), checkpoint_id=str(tmp))
+                dcp.save(job.tensors, checkpoint_id=str(tmp),
+                         process_group=None if group is self.world else group.pg)
                 rng_file = tmp / f"rng_rank{self.mesh.rank:05d}.pt"
-                torch.save({"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)},
-                           rng_file)
+                torch.save(job.rng, rng_file)
                 mine = [p for p in tmp.iterdir() if p.name.startswith(f"__{self.mesh.rank}_") or p == rng_file]
                 hashes = {p.name: file_digest(p) for p in mine}
+                checkpoint_publish.reached("written")
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported below, on every rank
                 error = _save_error(e, tmp)
             finally:
-                getattr(self.engine.dp, "forget_staged", lambda: None)()  # 8-bit AdamW's fp32 views of its moments
-                getattr(self.engine.dp, "after_save", lambda: None)()  # drop staging copies (fp8)
-        gathered = comm.all_gather_object((hashes, error), self.world)
+                job.tensors = None
+                job.release()
+        gathered = comm.all_gather_object((hashes, error), group)
         errors = [e for _, e in gathered if e]
         if self.mesh.rank == 0 and not errors:
             try:
-                _write_json(tmp / "meta.json", self._meta(step, consumed_samples))
+                _write_json(tmp / "meta.json", job.meta)
                 manifest = {k: v for h, _ in gathered for k, v in h.items()}
                 for p in tmp.iterdir():
                     if p.name not in manifest:
                         manifest[p.name] = file_digest(p)
                 _write_json(tmp / "manifest.json", {"format": FORMAT_VERSION, "files": manifest})
-                self._publish(tmp, final, protect)
+                checkpoint_publish.reached("manifest")
+                self._publish(tmp, job.final, job.protect)
             except OSError as e:
                 errors = [_save_error(e, tmp)]
-        errors = comm.broadcast_object(errors, 0, self.world)
+        errors = comm.broadcast_object(errors, 0, group)
         if errors:
             if self.mesh.rank == 0:
                 shutil.rmtree(tmp, ignore_errors=True)
-            comm.barrier(self.world)
+            comm.barrier(group)
             latest = self.dir / "latest"
             kept = latest.read_text().strip() if latest.is_file() else None
             raise CheckpointError(f"{errors[0]}; the partial save was removed"
                                   + (f", the previous checkpoint {self.dir / kept} is kept" if kept else ""))
-        return final
+        return job.final
 
     def _publish(self, tmp: Path, final: Path, protect: Optional[Path] = None) -> None:
         publish(self.dir, tmp, final, self.cfg.checkpoint.keep_last, protect)

@@ -102,6 +102,7 @@ def publish(directory: Path, tmp: Path, final: Path, keep_last: int, protect: Op
         shutil.rmtree(trash, ignore_errors=True)
         os.rename(final, trash)
     os.rename(tmp, final)
+    reached("published")
     latest_tmp = directory / "latest.tmp"
     latest_tmp.write_text(final.name + "\n")
     os.replace(latest_tmp, directory / "latest")
@@ -112,3 +113,10 @@ def publish(directory: Path, tmp: Path, final: Path, keep_last: int, protect: Op
     for old in complete[:-keep_last]:
         if old not in keep:
             shutil.rmtree(old, ignore_errors=True)
+
+
+def reached(point: str) -> None:
+    """A named point of a save: ``written`` (this rank's files written and hashed), ``manifest`` (rank 0: meta.json
+    and the manifest written, not yet renamed), ``published`` (renamed, ``latest`` not yet moved); the asynchronous
+    writer adds ``staged`` (its thread started). Nothing happens here: the crash tests replace it to kill the
+    process at that point (tests/test_async_checkpoint.py)."""

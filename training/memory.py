@@ -200,6 +200,47 @@ def optimizer_state_bytes(cfg: Config, name: str, p, tp: int) -> int:
     return 8 * numel
 
 
+def checkpoint_staging_bytes(cfg: Config, layout: Layout, rank: int = 0) -> int:
+    """The CPU copy an asynchronous save keeps from one save to the next (``checkpoint.async_save``,
+    ``training/async_checkpoint.py``; pinned host memory under CUDA), 0 without it: what ``rank`` writes, its fp32
+    master weights and its optimizer state as saved, i.e. 12 bytes an element of its shard with AdamW (stage 0: of
+    every tensor it holds; 8-bit AdamW's moments are saved as fp32 views, 8; FP8-LM's master, m and v as fp32), plus
+    qWD's reconstructed weights (compute dtype). The MoE expert biases and FP8 scaling states (a few numbers a
+    tensor) are not counted."""
+    if not cfg.checkpoint.async_save:
+        return 0
+    z, n = cfg.zero, layout.dp
+    chunks = meta_chunks(cfg, layout, layout.coords(rank)[0])
+
+    def saved(name: str, p) -> int:  # master + optimizer state of one whole tensor
+        return 12 * p.numel() if rule_of(cfg.train.optimizer, name, p.ndim, p.spec) == "adamw8bit" else \
+            4 * p.numel() + optimizer_state_bytes(cfg, name, p, layout.tp)
+
+    if z.stage == 0:
+        return sum(saved(name, held_tensor(cfg, layout, name, p)) for c in chunks for name, p in c.named_parameters())
+    from fp8.zero_unit import OwnerBalance
+
+    owners = {n: OwnerBalance(n), max(n // layout.ep, 1): OwnerBalance(max(n // layout.ep, 1))}  # as _fp8_state_bytes
+    dp_rank, total = layout.coords(rank)[1], 0
+    for chunk in chunks:
+        units, _ = chunk_units(chunk)
+        names = {p: name for name, p in chunk.named_parameters()}
+        for u in units:
+            for part_names, tensors, group, group_rank in _parts(cfg, layout, u.params, names, dp_rank):
+                numels = [p.numel() for p in tensors]
+                if cfg.precision == "fp8":  # owned whole tensors
+                    total += 12 * sum(numels[i] for i, *_ in owners[group].layout(numels).owned(group_rank))
+                    continue
+                lay = shard_layout(numels, group, z.partition)
+                if cfg.train.optimizer != "adamw":  # whole tensors: their owners'
+                    total += sum(saved(part_names[i], tensors[i]) for i, *_ in lay.owned(group_rank))
+                else:
+                    total += 12 * lay.shard_size
+                if z.weight_delta:
+                    total += lay.shard_size * DTYPE_BYTES[cfg.precision]
+    return total
+
+
 def held_between_steps(cfg: Config, layout: Layout, rank: int = 0) -> int:
     """Working bytes ``rank`` holds between two optimizer steps (``Working.now`` after a step): ZeRO-3 with prefetch
     starts, at the end of its step, the gathers of the next forward's first ``zero.prefetch_depth`` + 1 modules of

@@ -33,6 +33,7 @@ from parallel import comm
 from parallel.launch import LaunchError, init_distributed, pick_device, read_launch_env
 from parallel.layout import cp_spans, make_layout
 from parallel.mesh import Mesh
+from training.async_checkpoint import Saver
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
 from training.checkpoint_rules import check_init_from_path, check_start_checkpoint
 from training.engine import Engine
@@ -309,9 +310,11 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
         print(f"[train] {layout.describe()}\n[train] model: {params['total'] / 1e6:.2f}M parameters "
               f"({params['non_embedding'] / 1e6:.2f}M non-embedding), run dir {run_dir}"
               + (f", resumed from {start} at step {engine.step}" if start else ""), flush=True)
+    saver = Saver(cfg, ckpt, mesh)  # when and how saves happen: interval or auto, synchronous or async_save
     try:
-        return _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir)
+        return _loop(cfg, mesh, engine, saver, logger, train_ds, valid_ds, stop, start, consumed, run_dir)
     finally:
+        saver.close()  # after an error: an asynchronous write in flight finishes first
         logger.close()
 
 
@@ -382,7 +385,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
         if valid_ds is not None and t.eval_interval and (step % t.eval_interval == 0 or step == t.max_steps):
             logger.log({"step": step, "val_loss": evaluate(engine, valid_ds, cfg, mesh)})
             flags = None  # that took a while: ask again
-        if cfg.checkpoint.interval and step % cfg.checkpoint.interval == 0 and progressed:
+        if ckpt.due(step) and progressed:  # (ckpt: the Saver; a failed asynchronous write is raised in due)
             good = _save(ckpt, step, consumed, good, streak)
             last_saved = step
             flags = None
@@ -396,6 +399,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
             print(f"[train] {what}: nothing saved", flush=True)
     elif cfg.checkpoint.save_at_exit and last_saved != engine.step and engine.step > 0:
         _save(ckpt, engine.step, consumed, good, streak)
+    ckpt.finish()  # an asynchronous save in flight is published (or its failure raised) before the run ends
     if main:
         print(f"[train] stopped at step {engine.step} ({reason or 'max_steps'})", flush=True)
     return {"step": engine.step, "reason": reason or "max_steps", "run_dir": str(run_dir)}
@@ -410,7 +414,7 @@ def _last_good(good: Optional[Path], start: Optional[Path], progressed: bool) ->
         f" (resume from it with checkpoint.load={good})" if good else "; nothing was saved" if not progressed else "")
 
 
-def _save(ckpt: Checkpointer, step: int, consumed: int, good: Optional[Path], streak: int) -> Optional[Path]:
+def _save(ckpt: Saver, step: int, consumed: int, good: Optional[Path], streak: int) -> Optional[Path]:
     """Save; during a streak of skipped steps the last checkpoint from before it is never pruned.
     Returns the last good checkpoint afterwards."""
     path = ckpt.save(step, consumed, protect=good if streak else None)
