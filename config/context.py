@@ -21,6 +21,13 @@ def validate_context(cfg: Config, need: Callable[[bool, str], None]) -> None:
     need(m.attention_dropout == 0.0,
          f"model.attention_dropout={m.attention_dropout} with parallel.cp={cp} is not built (ring attention has no "
          "dropout): set model.attention_dropout=0")
+    if cfg.parallel.cp_comm == "a2a":
+        tp = max(cfg.parallel.tp, 1)
+        heads = m.n_heads // tp if m.n_heads % tp == 0 else None  # (n_heads vs tp: refused by its own check)
+        need(heads is None or heads % cp == 0,
+             f"parallel.cp_comm=a2a with parallel.cp={cp}: model.n_heads={m.n_heads} / parallel.tp={tp} = {heads} "
+             f"heads per TP rank do not divide into {cp} CP ranks (the all-to-all gives each CP rank heads / cp of "
+             "them); use parallel.cp_comm=p2p or all_gather, or a cp that divides the heads")
     need(m.moe.num_experts == 0,
          f"model.moe.num_experts={m.moe.num_experts} with parallel.cp={cp} is not built (the balancing losses' "
          "per-sequence counts do not span CP ranks yet): use parallel.cp=1 with mixture-of-experts models")

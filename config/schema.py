@@ -195,7 +195,10 @@ class ParallelConfig:
     gradients, ZeRO shards and FP8 scales span the dp x cp ranks. model.seq_len must be divisible by 2 x cp."""
     cp_comm: str = "p2p"
     """How attention sees the other CP ranks' keys and values: p2p (ring attention: K/V blocks passed around the CP
-    ring, overlapped with the attention of the block in hand) | all_gather (Llama 3's: gather K/V, attend locally)."""
+    ring, overlapped with the attention of the block in hand) | all_gather (Llama 3's: gather K/V, attend locally) |
+    a2a (DeepSpeed-Ulysses: an all-to-all gives each rank the whole sequence of heads / cp of the heads, attention
+    runs as without CP, another all-to-all returns its output; the heads on each TP rank must divide by cp, KV
+    heads are replicated where CP ranks' query heads share one: parallel/ulysses.py)."""
     ranks_per_node: Optional[int] = None
     """Ranks per node; default from the launcher (LOCAL_WORLD_SIZE / SLURM). Lets one machine simulate nodes."""
     bucket_mb: float = 25.0
@@ -428,7 +431,7 @@ CHOICES = {
     "train.muon.adjust_lr": MUON_ADJUST_LR,
     "device": ("auto", "cpu", "cuda"),
     "logging.wandb.mode": ("online", "offline", "disabled"),
-    "parallel.cp_comm": ("p2p", "all_gather"),
+    "parallel.cp_comm": ("p2p", "all_gather", "a2a"),
     "zero.partition": ("flat", "whole_tensor"),
     "zero.reduce_dtype": ("compute", "fp32"),
     "checkpoint.on_data_change": ("error", "warn"),

@@ -61,7 +61,7 @@ from parallel.layout import cp_chunks, cp_spans
 
 aten = torch.ops.aten
 
-FORMS = ("p2p", "all_gather")
+FORMS = ("p2p", "all_gather", "a2a")
 
 
 @dataclass(frozen=True)
@@ -71,7 +71,7 @@ class ContextParallel:
     group: Group
     """The CP ring: ``group.rank`` is this rank's CP rank."""
     comm: str = "p2p"
-    """``p2p`` (ring attention) or ``all_gather``."""
+    """``p2p`` (ring attention), ``all_gather`` or ``a2a`` (all-to-all: ``parallel/ulysses.py``)."""
 
     def __post_init__(self):
         if self.comm not in FORMS:
@@ -129,8 +129,16 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
     if torch.is_autocast_enabled(device):
         q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
     with torch.autocast(device, enabled=False):
+        if cp.comm == "a2a":
+            return _ulysses(q, k, v, cp, scale)
         form = _Ring if cp.comm == "p2p" else _AllGather
         return form.apply(q, k, v, cp, scale)
+
+
+def _ulysses(q, k, v, cp: ContextParallel, scale):
+    from parallel.ulysses import ulysses_attention
+
+    return ulysses_attention(q, k, v, cp.group, [list(cp_chunks(cp.size, r)) for r in range(cp.size)], scale)
 
 
 class _Kernels:

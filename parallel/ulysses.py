@@ -39,13 +39,16 @@ def kv_heads_of(rank: int, cp: int, heads: int, kv_heads: int) -> Tuple[int, int
     return first, last - first + 1
 
 
-def a2a_bytes(n: int, e: int, cp: int, rank: int, heads: int, kv_heads: int) -> Tuple[int, int]:
-    """(forward, backward) bytes rank ``rank`` sends in one attention call (module docstring's formula)."""
+def a2a_bytes(n: int, e: int, cp: int, rank: int, heads: int, kv_heads: int) -> Tuple[int, int, int]:
+    """(forward's q, k, v exchange, forward's output exchange, backward) bytes rank ``rank`` sends in one attention
+    call (module docstring's formula). Selective recomputation repeats only the first: the output's exchange
+    saves nothing for the backward, so torch's non-reentrant checkpoint stops its recompute before it."""
     per = heads // cp
     kv = [kv_heads_of(j, cp, heads, kv_heads)[1] for j in range(cp)]
-    forward = 2 * (cp - 1) * per + 2 * (sum(kv) - kv[rank])
+    inputs = (cp - 1) * per + 2 * (sum(kv) - kv[rank])
+    output = (cp - 1) * per
     backward = 2 * (cp - 1) * per + 2 * (cp - 1) * kv[rank]
-    return forward * n * e, backward * n * e
+    return inputs * n * e, output * n * e, backward * n * e
 
 
 class _Exchange(torch.autograd.Function):

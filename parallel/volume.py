@@ -27,6 +27,10 @@ e the compute dtype's bytes (bf16 under fp8: attention stays 16-bit) and fp32 gr
   p2p          forward (cp-1) hops of K and V: (cp-1) 2n e; backward the same hops with dK/dV: (cp-1) 2n (e + 4)
   all_gather   forward gather of K and V: (cp-1) 2n e; backward gathered again, (cp-1) 2n e, and dK/dV
                reduce-scattered in fp32, (cp-1) 2n 4
+  a2a          (``parallel/ulysses.py``, per head of this rank's tokens, h = local heads / cp) forward q and the
+               output: 2 (cp-1) h heads, K and V: 2 x the KV heads the other CP ranks need; backward the same
+               pieces' gradients back, in the compute dtype: 2 (cp-1) h + 2 (cp-1) x the KV heads this rank needs
+               (``ulysses.a2a_bytes``); selective recomputation repeats only q, K and V's exchange
 
 and recomputation (full or selective) runs the forward's exchange once more.
 
@@ -122,7 +126,7 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
             out["tp"] += _ring(t) * 4 * (elems + layers * qk)
 
     if cp > 1:
-        out["cp"] += mb * layers * _context_bytes(cfg, layout, s * b)
+        out["cp"] += mb * layers * _context_bytes(cfg, layout, s * b, layout.cp_rank(rank))
 
     act = a // t if sp else a
     for action in train_schedule(pp, vp, mb, pp_rank):
@@ -147,14 +151,24 @@ def step_bytes(cfg: Config, layout: Layout, rank: int, secondary_valid: bool = F
     return dict(out)
 
 
-def _context_bytes(cfg: Config, layout: Layout, tokens: int) -> float:
+def _context_bytes(cfg: Config, layout: Layout, tokens: int, cp_rank: int) -> float:
     """One attention layer's context-parallel bytes per micro-batch of ``tokens`` local tokens (module docstring)."""
     m, cp, t = cfg.model, layout.cp, layout.tp
-    n = tokens * m.kv_heads * kv_replicas(m.kv_heads, t) // t * m.head_dim  # local K (or V) elements
+    kv_heads = m.kv_heads * kv_replicas(m.kv_heads, t) // t
+    n = tokens * kv_heads * m.head_dim  # local K (or V) elements
     e = DTYPE_BYTES[cfg.precision]
-    forward = (cp - 1) * 2 * n * e
-    backward = (cp - 1) * 2 * n * (e + 4)  # the same bytes in both forms: K/V again, and dK/dV in fp32
-    recompute = forward if m.activation_checkpointing in ("full", "selective") else 0
+    if cfg.parallel.cp_comm == "a2a":
+        from parallel.ulysses import a2a_bytes
+
+        inputs, output, backward = a2a_bytes(tokens * m.head_dim, e, cp, cp_rank, m.n_heads // t, kv_heads)
+        forward = inputs + output
+        # selective recomputation stops before the output's exchange (ulysses.a2a_bytes); full reruns the layer
+        again = {"full": forward, "selective": inputs}.get(m.activation_checkpointing, 0)
+    else:
+        forward = (cp - 1) * 2 * n * e
+        backward = (cp - 1) * 2 * n * (e + 4)  # the same bytes in both forms: K/V again, and dK/dV in fp32
+        again = forward if m.activation_checkpointing in ("full", "selective") else 0
+    recompute = again
     return forward + backward + recompute
 
 
