@@ -1,6 +1,6 @@
 """Context parallelism on the emulated two-node cluster: the CP ring inside a node against across nodes, ring
 attention (p2p) against all-gathered K/V, the CP bytes per step against the formula, and how much of the ring's
-transfer time its attention hides.
+transfer time its attention hides; and the all-to-all form (DeepSpeed-Ulysses, ``parallel.cp_comm=a2a``).
 
 The cluster is scripts/bench_cluster.py's (network namespaces joined by a ``tc``-shaped veth link, one ``torchrun
 --nnodes`` per namespace, gloo over the link; see its docstring), and so is each row's measurement (its
@@ -8,14 +8,16 @@ The cluster is scripts/bench_cluster.py's (network namespaces joined by a ``tc``
 (4 layers, d_model 256, 4 heads, bf16, 2 x world sequences a step, micro-batches of 2) at ``--seq-len`` tokens
 (default 1024: K/V traffic is then most of what crosses the link) with ``--kv-heads`` K/V heads; ZeRO off. Every
 row trains the same tokens per step; CP ranks count as data-parallel ones for the gradients, so the gradient
-all-reduce spans all 4 ranks in every row. The rows differ in ``parallel.cp`` / ``parallel.cp_comm``:
+all-reduce spans all the ranks in every row. The rows differ in ``parallel.cp`` / ``parallel.cp_comm``:
 
-  cp1     no CP (dp 4): the baseline; only the gradient all-reduce crosses the link
-  cp2     CP inside a node (ranks 0-1 and 2-3, ranks_per_node 2): the ring runs on the node's loopback, dp 2
-          across the link
-  cp4     CP across nodes, ring attention (p2p): the ring 0 -> 1 -> 2 -> 3 -> 0, hops 1 -> 2 and 3 -> 0 cross
-          the link (every hop of a ring step waits for the slowest, so every step waits on the link)
-  cp4_ag  CP across nodes with K/V all-gathered (Llama 3's form): no overlap, the exchange is synchronous
+  cp1      no CP: the baseline; only the gradient all-reduce crosses the link
+  cp<n>    CP of n ranks, ring attention (p2p): inside a node when n <= --ranks-per-node (the ring runs on the
+           node's loopback, dp across the link), else across nodes (with 2 ranks per node, cp4's ring
+           0 -> 1 -> 2 -> 3 -> 0 crosses the link at hops 1 -> 2 and 3 -> 0, and every ring step waits on it)
+  cp<n>_ag   the same with K/V all-gathered (Llama 3's form): no overlap, the exchange is synchronous
+  cp<n>_a2a  the same with all-to-alls (parallel/ulysses.py): heads scattered, the whole sequence gathered;
+             synchronous like the all-gather
+  (n in 2, 4; --ranks-per-node 4 puts cp 4 inside a node: 2 nodes x 4 ranks, dp 2 across)
 
 Columns: ``CP (MiB)`` is rank 0's ledger bytes on the ``cp`` group per step (median over the measured steps) and
 ``formula`` ``parallel/volume.py``'s ``step_bytes(...)["cp"]`` for the same config and layout; ``inter-node`` the
@@ -35,7 +37,8 @@ hand, or anything else the step does meanwhile) instead of waiting for it; 0 for
 of step ``--skip + 1`` to the start of the last step; the trace marks step starts). The trace costs an append
 per call and a file write per phase mark.
 
-    sudo python scripts/bench_context_cluster.py                      # 2 nodes x 2 ranks, 100mbit, four rows
+    sudo python scripts/bench_context_cluster.py                      # 2 nodes x 2 ranks, 100mbit, default rows
+    sudo python scripts/bench_context_cluster.py --ranks-per-node 4 --rows cp4,cp4_ag,cp4_a2a   # cp 4 in a node
     python scripts/bench_context_cluster.py --rate 1gbit --steps 5 --rows cp2,cp4 --kv-heads 1
 
 Needs root, ``ip``, ``tc`` and ``nsenter``; everything it sets up is removed on exit, failure and signals.
@@ -56,17 +59,22 @@ import _cli
 import bench_cluster
 import netemu
 
-ROWS = ("cp1", "cp2", "cp4", "cp4_ag")
+ROWS = ("cp1", "cp2", "cp2_ag", "cp2_a2a", "cp4", "cp4_ag", "cp4_a2a")
+DEFAULT_ROWS = ("cp1", "cp2", "cp4", "cp4_ag", "cp4_a2a")
 PREFIX = "bcc"
-WHAT = {"cp1": "no CP (dp 4)", "cp2": "ring inside a node, dp 2 across", "cp4": "ring across nodes (p2p)",
-        "cp4_ag": "all-gathered K/V across nodes"}
+FORMS = {"": ("p2p", "ring", " (p2p)"), "_ag": ("all_gather", "all-gathered K/V", ""),
+         "_a2a": ("a2a", "all-to-all", " (a2a)")}
 
 
-def row_for(name: str) -> bench_cluster.Row:
+def row_for(name: str, ranks_per_node: int = 2) -> bench_cluster.Row:
     cp = int(name[2])
-    form = "all_gather" if name.endswith("_ag") else "p2p"
+    form, what, tag = FORMS[name[3:]]
+    world = 2 * ranks_per_node
+    where = (f"no CP (dp {world})" if cp == 1 else
+             f"{what} inside a node{tag}, dp {world // cp} across" if cp <= ranks_per_node else
+             f"{what} across nodes{tag}")
     return bench_cluster.Row(name, "train", ["zero.stage=0", f"parallel.cp={cp}", f"parallel.cp_comm={form}"],
-                             WHAT[name])
+                             where)
 
 
 def formula_bytes(row: bench_cluster.Row, args, world: int) -> float:
@@ -153,7 +161,10 @@ def table(results: List[dict]) -> str:
 
 def parse_args(argv):
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
-    p.add_argument("--rows", default=",".join(ROWS), help=f"comma list of {', '.join(ROWS)}")
+    p.add_argument("--rows", default=",".join(DEFAULT_ROWS), help=f"comma list of {', '.join(ROWS)} (default "
+                                                                  f"{','.join(DEFAULT_ROWS)})")
+    p.add_argument("--ranks-per-node", type=int, default=2, choices=(2, 4),
+                   help="2 (default: cp 4 crosses the link) or 4 (2 nodes x 4 ranks: cp 4 inside a node)")
     p.add_argument("--rate", default="100mbit", help="link rate, tc syntax")
     p.add_argument("--delay", default="1ms", help="one-way delay per direction")
     p.add_argument("--steps", type=int, default=6)
@@ -188,7 +199,7 @@ def check_args(args) -> List[str]:
 
 def configure(args) -> None:
     """What bench_cluster's run_row reads of its arguments; the model: bench_cluster's at --seq-len, --kv-heads."""
-    args.ranks_per_node, args.link_profile, args.grad_clip = 2, False, 0.0
+    args.link_profile, args.grad_clip = False, 0.0
     args.model = [[f"model.seq_len={args.seq_len}", f"model.n_kv_heads={args.kv_heads}"]]
 
 
@@ -196,7 +207,7 @@ def run_rows(cluster: netemu.Cluster, names: List[str], args, workdir: Path, wor
     results = []
     for k, name in enumerate(names):
         print(f"[bench_context_cluster] row {name} ...", flush=True)
-        row, trace = row_for(name), workdir / f"{name}.trace"
+        row, trace = row_for(name, args.ranks_per_node), workdir / f"{name}.trace"
         os.environ["GPT_COMM_TRACE"] = str(trace)  # the workers' environment is this process's (worker_env)
         try:
             r = bench_cluster.run_row(cluster, row, args, workdir, bench_cluster.MASTER_PORT + 20 + k, name)
@@ -218,7 +229,7 @@ def main(argv=None) -> int:
     if os.geteuid() != 0:
         raise _cli.InputError("needs root (network namespaces and tc)")
     configure(args)
-    nodes, world = 2, 4
+    nodes, world = 2, 2 * args.ranks_per_node
     workdir = Path(args.workdir or tempfile.mkdtemp(prefix="bench-context-cluster-"))
     workdir.mkdir(parents=True, exist_ok=True)
     results: List[dict] = []
@@ -226,7 +237,7 @@ def main(argv=None) -> int:
         try:
             with netemu.Cluster(PREFIX, nodes, args.rate, args.delay) as cluster:
                 results = run_rows(cluster, names, args, workdir, world)
-                header = (f"2 nodes x 2 ranks, link {args.rate} / {args.delay}, bench_cluster's model (4 layers, "
+                header = (f"2 nodes x {args.ranks_per_node} ranks, link {args.rate} / {args.delay}, bench_cluster's model (4 layers, "
                           f"d 256, 4 heads, {args.kv_heads} KV heads, bf16) at seq {args.seq_len}, "
                           f"{2 * world} sequences a step, {args.steps} steps (medians after {args.skip})")
                 print(f"\n{header}\n\n{table(results)}", flush=True)

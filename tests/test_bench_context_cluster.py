@@ -43,12 +43,16 @@ def test_formula_is_volumes_cp_bytes_as_the_ledger_counted_them():
     assert bcc.formula_bytes(bcc.row_for("cp4_ag"), args, 4) == 100663296
     assert bcc.formula_bytes(bcc.row_for("cp2"), args, 4) == 100663296 / 3  # (cp-1) hops of the same local tokens
     assert bcc.formula_bytes(bcc.row_for("cp1"), args, 4) == 0
+    # a2a (parallel/ulysses.py), by hand: 512 local tokens x 64 per head x 2 bytes = 65536 B per head; cp 4 with
+    # 4 heads and 4 KV heads: forward q 3 + k, v 2 x 3 + the output 3, backward 3 + 3 + 2 x 3 = 24 heads' worth
+    # per layer and micro-batch; 4 layers x 4 micro-batches (8 sequences of 2, one batch shard)
+    assert bcc.formula_bytes(bcc.row_for("cp4_a2a"), args, 4) == 24 * 65536 * 16
 
 
 def test_table_of_synthetic_results():
-    ok = {"row": "cp4", "what": bcc.WHAT["cp4"], "step_time_s": 2.0, "tokens_per_s": 4096.0, "cp_bytes": 2**20,
+    ok = {"row": "cp4", "what": bcc.row_for("cp4").what, "step_time_s": 2.0, "tokens_per_s": 4096.0, "cp_bytes": 2**20,
           "formula": 2**20, "wire_bytes": 3 * 2**20, "overlap": {"in_flight": 1.0, "blocked": 0.25, "overlap": 0.75}}
-    base = dict(ok, row="cp1", what=bcc.WHAT["cp1"], cp_bytes=0, formula=0, overlap=None)
-    lines = bcc.table([ok, base, {"row": "cp2", "what": bcc.WHAT["cp2"], "error": "boom"}]).splitlines()
+    base = dict(ok, row="cp1", what=bcc.row_for("cp1").what, cp_bytes=0, formula=0, overlap=None)
+    lines = bcc.table([ok, base, {"row": "cp2", "what": bcc.row_for("cp2").what, "error": "boom"}]).splitlines()
     assert lines[2] == "| cp4 | ring across nodes (p2p) | 2.000 | 4,096 | 1.00 | 1.00 | 3.00 | 1.000 | 0.250 | 0.75 |"
     assert lines[3].endswith("| 0.00 | 0.00 | 3.00 | - | - | - |") and "error: boom" in lines[4]
