@@ -28,6 +28,7 @@ def validate_context(cfg: Config, need: Callable[[bool, str], None]) -> None:
              f"parallel.cp_comm=a2a with parallel.cp={cp}: model.n_heads={m.n_heads} / parallel.tp={tp} = {heads} "
              f"heads per TP rank do not divide into {cp} CP ranks (the all-to-all gives each CP rank heads / cp of "
              "them); use parallel.cp_comm=p2p or all_gather, or a cp that divides the heads")
-    need(m.moe.num_experts == 0,
-         f"model.moe.num_experts={m.moe.num_experts} with parallel.cp={cp} is not built (the balancing losses' "
-         "per-sequence counts do not span CP ranks yet): use parallel.cp=1 with mixture-of-experts models")
+    need(m.moe.num_experts == 0 or m.moe.capacity_factor is None,
+         f"model.moe.capacity_factor={m.moe.capacity_factor} with parallel.cp={cp} is not built (a capacity keeps each "
+         "expert's first token-slots in the sequence's order, which context parallelism splits between ranks in "
+         "zigzag chunks): use a dropless MoE (model.moe.capacity_factor=null) or parallel.cp=1")

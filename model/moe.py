@@ -78,6 +78,14 @@ def _sequence_counts(counts: torch.Tensor, sp: Group) -> Tuple[torch.Tensor, tor
     return every.sum(0), every[:sp.rank].sum(0)
 
 
+@torch.compiler.disable
+def _context_counts(counts: torch.Tensor, cp: Group) -> torch.Tensor:
+    """Context parallelism: the token-slots of every CP rank's chunks of the same sequences, summed."""
+    total = counts.clone()
+    comm.all_reduce(total, cp)
+    return total
+
+
 def _count(experts: torch.Tensor, num_experts: int) -> torch.Tensor:
     """``[E]`` int64: how many of ``experts`` name each expert (``bincount`` with a shape ``torch.compile`` knows)."""
     return torch.zeros(num_experts, dtype=torch.int64, device=experts.device).scatter_add_(
@@ -106,7 +114,8 @@ class Routing:
     """Sequence parallelism: ``[E]`` token-slots of each expert on the TP ranks holding earlier sequence slices
     (a capacity keeps the first slots in the whole sequence's token order); None otherwise."""
     tokens: int = 0
-    """Tokens of the whole forward (the sequence's, under sequence parallelism): what a capacity is taken of."""
+    """Tokens of the whole forward (the sequences', under sequence and context parallelism): what a capacity is
+    taken of."""
 
 
 class Router(nn.Module):
@@ -118,11 +127,11 @@ class Router(nn.Module):
     of the scores normalised per token (they do not sum to 1 otherwise), as Megatron-Core does.
     """
 
-    def __init__(self, cfg: ModelConfig, moe: MoeConfig, sp: Optional[Group] = None):
+    def __init__(self, cfg: ModelConfig, moe: MoeConfig, sp: Optional[Group] = None, cp: Optional[Group] = None):
         super().__init__()
         self.num_experts, self.top_k = moe.num_experts, moe.top_k
         self.score, self.norm_topk, self.routed_scale = moe.score, moe.norm_topk, moe.routed_scale
-        self.sp = sp
+        self.sp, self.cp = sp, cp
         self.weight = new_param((moe.num_experts, cfg.d_model), None, 1, std=cfg.init_std,
                                 sequence_parallel=sp is not None)
         self.register_buffer("expert_bias", torch.zeros(moe.num_experts), persistent=True)
@@ -146,13 +155,19 @@ class Router(nn.Module):
             if self.sp is not None:  # the whole sequence's counts, and those of the slices before this one
                 total, before = _sequence_counts(counts, self.sp)
                 tokens *= self.sp.size
+            whole = tokens  # the tokens of the sequences these are part of
+            if self.cp is not None:  # and their other chunks, on the other CP ranks
+                total = _context_counts(total, self.cp)
+                whole *= self.cp.size
             probs = scores if self.score == "softmax" else scores / (scores.sum(-1, keepdim=True) + 1e-20)
-            fraction = total.to(wide) / max(tokens * k, 1)  # f_e: share of the token-slots (no gradient)
+            fraction = total.to(wide) / max(whole * k, 1)  # f_e: share of the sequences' token-slots (no gradient)
             # P_e and the z-loss as sums over this slice's tokens / the sequence's: the slices' terms add up to
-            # the whole sequence's losses, and each slice's gradient is theirs restricted to its tokens
+            # the whole sequence's losses, and each slice's gradient is theirs restricted to its tokens. Under CP
+            # the chunks' terms are over this rank's tokens (/ tokens, not / whole): the gradients are averaged
+            # over the dp x cp ranks, and the CP ranks' mean of these terms is the whole sequence's loss
             aux = E * (fraction * probs.sum(0) / max(tokens, 1)).sum()
             z = torch.logsumexp(logits, -1).square().sum() / max(tokens, 1)
-        return Routing(experts, gates, scores, logits, counts, aux, z, before, tokens)
+        return Routing(experts, gates, scores, logits, counts, aux, z, before, whole)
 
 
 class Experts(nn.Module):
@@ -299,10 +314,13 @@ class MoE(nn.Module):
         # under sequence parallelism each TP rank routes its own slice of the sequence (experts whole on every TP
         # rank, their gradients partial sums over TP); with TP alone every TP rank routes the same tokens
         sp = ctx.tp if ctx.sequence_parallel and ctx.tp.size > 1 else None
+        # under context parallelism each CP rank routes its two chunks of every sequence (config/context.py refuses
+        # a capacity: its token order spans the ranks' chunks)
+        cp = ctx.cp.group if ctx.cp is not None and ctx.cp.size > 1 else None
         self.num_experts, self.top_k, self.capacity_factor = moe.num_experts, moe.top_k, moe.capacity_factor
         self.aux_loss_coeff, self.z_loss_coeff = moe.aux_loss_coeff, moe.z_loss_coeff
         self.bias_update_rate = moe.bias_update_rate
-        self.router = Router(cfg, moe, sp)
+        self.router = Router(cfg, moe, sp, cp)
         self.experts = Experts(cfg, moe, ctx.ep, sp=sp is not None, tp=ctx.tp, fp8=ctx.fp8)
         self.shared: Optional[MLP] = None
         self.shared_gate: Optional[nn.Parameter] = None

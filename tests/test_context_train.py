@@ -160,9 +160,12 @@ def test_each_rank_reads_its_two_chunks_of_its_samples():
     (["parallel.cp=3", "model.seq_len=120"],
      "world size 1 is not divisible by parallel.tp=1 x parallel.pp=1 x parallel.cp=3"),
     (["parallel.cp=0"], "parallel.cp=0 must be >= 1"),
-    (["parallel.cp=2", "parallel.cp_comm=a2a"], "parallel.cp_comm='a2a' is not one of ['p2p', 'all_gather']"),
+    (["parallel.cp=2", "parallel.cp_comm=ring"], "parallel.cp_comm='ring' is not one of ['p2p', 'all_gather', 'a2a']"),
+    (["parallel.cp=4", "parallel.cp_comm=a2a", "model.n_heads=6", "model.d_model=96", "model.seq_len=120"],
+     "6 heads per TP rank do not divide into 4 CP ranks"),
     (["parallel.cp=2", "model.attention_dropout=0.1"], "model.attention_dropout=0.1 with parallel.cp=2"),
-    (["parallel.cp=2", "model.moe.num_experts=4"], "model.moe.num_experts=4 with parallel.cp=2 is not built"),
+    (["parallel.cp=2", "model.moe.num_experts=4", "model.moe.capacity_factor=1.25"],
+     "model.moe.capacity_factor=1.25 with parallel.cp=2 is not built"),
 ])
 def test_bad_settings_are_one_line_and_exit_2(overrides, fragment, capsys):
     import train

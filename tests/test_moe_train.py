@@ -95,6 +95,10 @@ LAYOUTS = {
     "tp2": (2, ["parallel.tp=2"]),
     "tp2_sp": (2, ["parallel.tp=2", "parallel.sequence_parallel=true"]),
     "tp2_sp_ep2": (4, ["parallel.tp=2", "parallel.sequence_parallel=true", "parallel.ep=2"]),
+    # context parallelism: each CP rank routes its two chunks of every sequence (the counts summed over CP)
+    "cp2_ep2": (4, ["parallel.cp=2", "parallel.ep=2"]),
+    "cp2_tp2_sp_a2a_zero3": (4, ["parallel.cp=2", "parallel.tp=2", "parallel.sequence_parallel=true",
+                                 "parallel.cp_comm=a2a", "zero.stage=3"]),
 }
 
 
