@@ -61,7 +61,8 @@ def row(p: dict) -> list:
     k = p["layout"]
     zero = str(k["zero.stage"]) + ("++" if k.get("zero.quantized_weights") else "+hpZ" if k.get("zero.hpz_size")
                                    else "")
-    return [k["parallel.tp"], k["parallel.pp"], k["parallel.virtual_stages"], k["parallel.cp"], k["parallel.ep"],
+    cp = k["parallel.cp"] if k["parallel.cp"] == 1 else f"{k['parallel.cp']} {k['parallel.cp_comm']}"
+    return [k["parallel.tp"], k["parallel.pp"], k["parallel.virtual_stages"], cp, k["parallel.ep"],
             k["dp"], k["train.micro_batch_size"], k["model.activation_checkpointing"], zero,
             f"{p['tokens_per_s']:,.0f}", f"{p['step_time_s']:.3f}", f"{p['tflops_per_gpu']:.1f}",
             f"{100 * p['mfu']:.1f}%", f"{p['memory_gib']:.1f}",

@@ -1,7 +1,8 @@
 """Every valid layout of a model on a cluster, ranked by predicted tokens/s among those that fit.
 
 The space: tp over the divisors of the node size, pp over the divisors of the layers, virtual stages (1, 2, 3, 4,
-6, 8 where they divide the layers per stage), cp (1, and powers of two up to 32 from 8K tokens a sequence), ep
+6, 8 where they divide the layers per stage), cp (1, and powers of two up to 32 from 8K tokens a sequence; for cp > 1
+each form: p2p, all_gather, a2a), ep
 over the divisors of the experts (MoE), micro-batch 1, 2, 4, 8, recomputation off / selective / full, sequence
 parallelism whenever tp > 1 (the same bytes, less memory), and ZeRO stage 0, 1, 2, 3, 3 with hpZ over the
 node's DP ranks, and ZeRO++ (int8 qwZ + hpZ + int4 qgZ); dp is what is left of the world. Every candidate is
@@ -43,6 +44,10 @@ def zero_variants(hpz: int) -> List[dict]:
     return out
 
 
+CP_FORMS = ("p2p", "all_gather", "a2a")
+"""parallel.cp_comm's forms, each searched where cp > 1 (a2a only where a TP rank's heads divide by cp)."""
+
+
 def _divisors(n: int) -> List[int]:
     return [d for d in range(1, n + 1) if n % d == 0]
 
@@ -57,11 +62,12 @@ def candidates(cfg: Config, cluster: Cluster) -> Iterator[Tuple[Config, Layout]]
             for vp in [v for v in VIRTUAL if v == 1 or (pp > 1 and m.n_layers % (pp * v) == 0)]:
                 for cp in [c for c in cps if world % (tp * pp * c) == 0]:
                     for ep in eps:
-                        base = dataclasses.replace(cfg, parallel=dataclasses.replace(
-                            cfg.parallel, tp=tp, pp=pp, virtual_stages=vp, cp=cp, ep=ep, sequence_parallel=tp > 1,
-                            ranks_per_node=None))
-                        for b in MICRO_BATCHES:
-                            yield from _variants(base, b, cluster)
+                        for form in CP_FORMS if cp > 1 else (cfg.parallel.cp_comm,):
+                            base = dataclasses.replace(cfg, parallel=dataclasses.replace(
+                                cfg.parallel, tp=tp, pp=pp, virtual_stages=vp, cp=cp, ep=ep,
+                                sequence_parallel=tp > 1, ranks_per_node=None, cp_comm=form))
+                            for b in MICRO_BATCHES:
+                                yield from _variants(base, b, cluster)
 
 
 def _variants(base: Config, b: int, cluster: Cluster) -> Iterator[Tuple[Config, Layout]]:

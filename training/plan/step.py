@@ -4,7 +4,7 @@ overlap the code really has, the optimizer; memory from the estimator.
 What overlaps what (as the code does it):
   TP / SP      collectives inside a layer, waited on at once (parallel/tensor_parallel.py): all exposed
   CP           the ring posts the next K/V block before attending to the one in hand (parallel/context.py):
-               hides behind the attention's compute
+               hides behind the attention's compute; all_gather and a2a (parallel/ulysses.py): all exposed
   PP           sends never block and receives are posted ahead (parallel/pipeline.py): the fill and drain hops
                (2 (p - 1) of them) are on the critical path, the rest hides behind the compute
   EP           the dispatch and combine all-to-alls are waited on: all exposed
@@ -174,7 +174,10 @@ def predict(cfg: Config, layout: Layout, cluster: Cluster, lower_bound: bool = F
     busy = compute + recompute
     window_attention = mb * layers * (lc["attention"] + lc["attention_bwd"])
     out = {"tp": times.get("tp", 0.0) + times.get("tp_kv", 0.0), "ep": times.get("ep", 0.0)}
-    out["cp"] = exposed(times.get("cp", 0.0), window_attention, cluster.overlap)
+    if cfg.parallel.cp_comm == "p2p":  # the ring posts the next block's transfer before attending to this one
+        out["cp"] = exposed(times.get("cp", 0.0), window_attention, cluster.overlap)
+    else:  # the all-gather and the all-to-alls are waited on where they are issued
+        out["cp"] = times.get("cp", 0.0)
     pp_time = times.get("pp", 0.0)
     hop = pp_time / max(calls["pp"], 1)
     fill = min(2 * (layout.pp - 1) * hop, pp_time)
@@ -262,6 +265,8 @@ def describe(cfg: Config, layout: Layout) -> Dict[str, object]:
             "parallel.cp": layout.cp, "parallel.ep": layout.ep, "parallel.sequence_parallel": layout.sequence_parallel,
             "train.micro_batch_size": cfg.train.micro_batch_size,
             "model.activation_checkpointing": m.activation_checkpointing, "zero.stage": z.stage}
+    if layout.cp > 1:
+        keys["parallel.cp_comm"] = cfg.parallel.cp_comm
     if z.quantized_weights:
         keys["zero.quantized_weights"] = True
     if z.quantized_gradients:
