@@ -36,7 +36,23 @@ def _main(argv, stop) -> int:
         print("\nconfig keys:\n" + "\n".join(describe()))
         return 0
 
+    from parallel import restart
+
+    try:
+        if args.config:
+            check_config_file(args.config)
+        cfg = load_config(args.config, args.overrides)
+        if restart.needs_supervisor(cfg.train.max_restarts):  # python train.py train.max_restarts=N: watch a child
+            from config import validate_config
+
+            validate_config(cfg)  # a bad setting is said once, here, not by each attempt
+            return restart.supervise(sys.argv[1:] if argv is None else list(argv), cfg.train.max_restarts, stop,
+                                     os.path.abspath(__file__))
+    except ConfigError as e:
+        return _error(e)
+
     from data.indexed import DataError
+    from parallel import hang
     from parallel.comm import CommError
     from parallel.launch import LaunchError
     from training.checkpoint import CheckpointError
@@ -44,19 +60,24 @@ def _main(argv, stop) -> int:
     from training.trainer import DivergedError, run
 
     try:
-        if args.config:
-            check_config_file(args.config)
-        cfg = load_config(args.config, args.overrides)
         name = os.path.splitext(os.path.basename(args.config))[0] if args.config else "tiny"
         run(cfg, config_name=name, stop=stop)
-    except (ConfigError, DataError, CheckpointError, LaunchError, RunLockError, DivergedError, CommError) as e:
-        rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
-        if rank == 0:
-            print(f"error: {e}", file=sys.stderr, flush=True)
-        elif isinstance(e, CommError) and 0 in (e.absent or []):  # rank 0 is stuck: the ranks that saw it speak
-            print(f"error (rank {rank}): {e}", file=sys.stderr, flush=True)
-        return 2
+    except CommError as e:  # a peer died or hung: exit 3, which a launcher with restarts left restarts
+        return _error(e, hang.annotate(str(e)), restart.EXIT_PEER)
+    except (ConfigError, DataError, CheckpointError, LaunchError, RunLockError, DivergedError) as e:
+        return _error(e)
     return 0
+
+
+def _error(e: Exception, message: str = "", code: int = 2) -> int:
+    """The job's one error line (rank 0's; another rank's only where rank 0 is the one stuck) and the exit code:
+    2 for a refusal (bad setting, data, checkpoint), 3 for a failed collective (parallel/restart.py)."""
+    rank = int(os.environ.get("RANK", os.environ.get("SLURM_PROCID", "0")))
+    if rank == 0:
+        print(f"error: {message or e}", file=sys.stderr, flush=True)
+    elif 0 in (getattr(e, "absent", None) or []):  # rank 0 is stuck: the ranks that saw it speak
+        print(f"error (rank {rank}): {message or e}", file=sys.stderr, flush=True)
+    return code
 
 
 def check_config_file(path: str) -> None:

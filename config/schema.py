@@ -373,7 +373,8 @@ class TrainConfig:
     max_restarts: int = 0
     """When a rank dies, restart the whole group inside the same launch (same nodes), resuming from the newest
     checkpoint, at most this many times; 0 = a dead rank ends the job (and SLURM's requeue, if any, takes over).
-    torchrun's --max-restarts sets the same thing for a torchrun launch."""
+    Who restarts (parallel/restart.py): `python train.py` supervises its trainer itself; scripts/slurm/train.sbatch
+    runs srun again; under torchrun its --max-restarts decides. Exit 2 (a refusal) is never restarted."""
     time_limit_minutes: Optional[float] = None
     """Stop (saving a checkpoint) once this much wall-clock time has passed."""
     optimizer: str = "adamw"

@@ -16,9 +16,11 @@ What lives here:
 
   primitives (import config/ and each other only)
     launch.py          the launcher's environment (torchrun, srun), process-group init, device choice
+    restart.py         restarts inside one launch: who restarts (supervisor, torchrun, sbatch), exit codes, attempt
     layout.py          world = PP x DP x CP x TP, simulated nodes, dp_intra / dp_inter, CP chunks; validated
     mesh.py            the one mesh object: every process group, built once, with the configured timeout
     comm.py            the one door: every collective and p2p, byte ledger by kind / link / group, timeouts
+    hang.py            a collective timed out: every rank's Python stack into <run_dir>/stacks/, the stuck one ends
     random.py          seeds derived from names; the TP/SP RNG tracker
     schedule.py        1F1B and interleaved 1F1B as plain action lists, with a deadlock checker
     pipeline.py        the p2p executor of a schedule

@@ -44,6 +44,7 @@ from typing import Any, Callable, Dict, Iterator, List, Optional, Tuple
 import torch
 import torch.distributed as dist
 
+from parallel import hang
 from parallel.launch import LaunchError
 
 _FP8 = {getattr(torch, n) for n in ("float8_e4m3fn", "float8_e5m2", "float8_e4m3fnuz", "float8_e5m2fnuz")
@@ -166,7 +167,7 @@ def _absent(group: Group, seq: int) -> Optional[List[int]]:
         deadline = time.monotonic() + ABSENT_GRACE_S
         while True:
             missing = [r for r in others if not store.check([prefix + str(r)])]
-            if not missing or time.monotonic() > deadline:
+            if not missing or time.monotonic() > deadline or hang.hurry():
                 return missing
             time.sleep(0.1)
     except Exception:  # noqa: BLE001 - the store may be gone with a dead rank: then it is just not known
@@ -180,6 +181,7 @@ def _error(kind: str, group: Group, e: BaseException, seq: Optional[int], peer: 
     if peer is not None:
         who = f"; peer rank {group.ranks[peer]}"
     elif seq is not None and _STALLED.search(reason):
+        hang.alarm(f"{what}, collective #{seq} of the group, on rank {group.ranks[group.rank]}: {reason}")
         absent = _absent(group, seq)
         who = (f"; rank(s) {absent} did not arrive (collective #{seq} of this group)" if absent
                else f"; every member reached it (collective #{seq})" if absent == [] else "")
@@ -207,6 +209,20 @@ class _Trace:
 
 
 _trace = _Trace(os.environ.get("GPT_COMM_TRACE"))
+_waited = [0.0]
+
+
+def waited_s() -> float:
+    """Seconds the main thread has spent blocked in this door so far (synchronous calls, waits on its handles,
+    ``trace_wait``). A step's time less what this grew by during it is the rank's own work
+    (training/straggler.py). On CUDA, NCCL calls return before the transfer ends: the device-side wait is not seen
+    here."""
+    return _waited[0]
+
+
+def _count_wait(t0: float) -> None:
+    if threading.current_thread() is threading.main_thread():
+        _waited[0] += time.perf_counter() - t0
 
 
 def check_trace() -> None:
@@ -243,6 +259,7 @@ def mark(label: str) -> None:
 
 def trace_wait(what: str, group: Group, t0: float) -> None:
     """A wait of this thread since ``t0`` for something other than a handle of this door, into the trace."""
+    _count_wait(t0)
     if _trace.directory:
         _trace.add("wait", what, group.name, None, t0, time.perf_counter(),
                    threading.current_thread() is threading.main_thread())
@@ -259,6 +276,7 @@ def _guarded(kind: str, group: Group, call: Callable[[], Any], collective: bool 
         work = call()
     except RuntimeError as e:  # DistBackendError, gloo/NCCL errors are RuntimeErrors
         raise _error(kind, group, e, seq, peer) from e
+    _count_wait(t0)
     if _trace.directory:
         _trace.add("call", kind, group.name, seq, t0, time.perf_counter(), work is not None)
     return _Work(work, kind, group, seq, peer) if work is not None else None
@@ -276,6 +294,7 @@ class _Work:
             done = self.work.wait() if timeout is None else self.work.wait(timeout)
         except RuntimeError as e:
             raise _error(self.kind, self.group, e, self.seq, self.peer) from e
+        _count_wait(t0)
         if _trace.directory:
             _trace.add("wait", self.kind, self.group.name, self.seq, t0, time.perf_counter(),
                        threading.current_thread() is threading.main_thread())

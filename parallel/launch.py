@@ -142,7 +142,11 @@ def read_launch_env(env: Optional[Mapping[str, str]] = None) -> LaunchEnv:
             source = "SLURM_STEP_NODELIST" if env.get("SLURM_STEP_NODELIST") else "SLURM_JOB_NODELIST"
             addr = parse_slurm_nodelist(nodelist)[0]
         job = _int(env, "SLURM_JOB_ID") if env.get("SLURM_JOB_ID") else 0
-        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + job % 20000
+        # a restart inside the allocation (scripts/slurm/train.sbatch) moves to the next port: the dead group's
+        # rendezvous port may still be held by its sockets
+        attempt = env.get("TORCHELASTIC_RESTART_COUNT", "0")
+        attempt = int(attempt) if attempt.isdigit() else 0
+        port = _int(env, "MASTER_PORT") if "MASTER_PORT" in env else 20000 + (job + attempt) % 20000
         launcher = "slurm"
         return _checked(LaunchEnv(rank, world, local_rank, local_world, addr, port, launcher, source))
     else:
@@ -243,9 +247,17 @@ def init_distributed(env: LaunchEnv, device: torch.device, timeout_s: float) -> 
     os.environ.update(MASTER_ADDR=env.master_addr, MASTER_PORT=str(env.master_port),
                       RANK=str(env.rank), WORLD_SIZE=str(env.world_size))
     kwargs = {"device_id": device} if device.type == "cuda" else {}
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") == "True" and restart not in ("", "0"):
+        # torchrun restarting its workers: the agent's store still holds the keys of the group before (gloo's and
+        # NCCL's peer addresses among them), and a restarted rank could read a dead rank's address and fail to
+        # connect. Each attempt gets a namespace of its own in it.
+        kwargs["store"] = dist.PrefixStore(f"attempt_{restart}/", dist.TCPStore(
+            env.master_addr, env.master_port, env.world_size, is_master=False, timeout=timeout))
+    else:
+        kwargs["init_method"] = "env://"
     try:
-        dist.init_process_group(backend, init_method="env://", rank=env.rank, world_size=env.world_size,
-                                timeout=timeout, **kwargs)
+        dist.init_process_group(backend, rank=env.rank, world_size=env.world_size, timeout=timeout, **kwargs)
     except (dist.DistNetworkError, dist.DistStoreError) as e:  # cannot connect; the store's wait timed out
         first_line = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
         raise LaunchError(f"rank {env.rank} could not reach the rendezvous at MASTER_ADDR={env.master_addr} "

@@ -21,9 +21,10 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("config: the typed schema and its validation", ["config"]),
     ("kernels and data: quantization references, their fast CPU and Triton twins; tokenizers, indexed datasets",
      ["kernels", "data"]),
-    ("parallel primitives: launch, layout, mesh, the communication door, RNG, schedules, pipeline",
-     ["parallel.launch", "parallel.layout", "parallel.mesh", "parallel.comm", "parallel.random",
-      "parallel.schedule", "parallel.pipeline"]),
+    ("parallel primitives: launch, restarts, layout, mesh, the communication door, hang watch, RNG, schedules, "
+     "pipeline",
+     ["parallel.launch", "parallel.restart", "parallel.layout", "parallel.mesh", "parallel.comm", "parallel.hang",
+      "parallel.random", "parallel.schedule", "parallel.pipeline"]),
     ("FP8 numerics: formats, scaling state, FP8 GEMMs (linears, experts), FP8 gradient communication, FP8 AdamW, "
      "device check",
      ["fp8.format", "fp8.segments", "fp8.scaling", "fp8.linear", "fp8.experts", "fp8.grad_comm", "fp8.adam",

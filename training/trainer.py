@@ -37,6 +37,7 @@ from training.async_checkpoint import Saver
 from training.checkpoint import Checkpointer, CheckpointError, checkpoint_root
 from training.checkpoint_rules import check_init_from_path, check_start_checkpoint
 from training.engine import Engine
+from training.goodput import Goodput
 from training.metrics import MetricsLogger, peak_memory_bytes, peak_tflops
 from training.run_lock import RunLock, RunLockError
 from training.stop import StopFlag
@@ -311,14 +312,17 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
               f"({params['non_embedding'] / 1e6:.2f}M non-embedding), run dir {run_dir}"
               + (f", resumed from {start} at step {engine.step}" if start else ""), flush=True)
     saver = Saver(cfg, ckpt, mesh)  # when and how saves happen: interval or auto, synchronous or async_save
+    goodput = Goodput(cfg, mesh, run_dir, engine.step, stop)  # restarts counted, stragglers and hangs named
     try:
-        return _loop(cfg, mesh, engine, saver, logger, train_ds, valid_ds, stop, start, consumed, run_dir)
+        return _loop(cfg, mesh, engine, saver, logger, train_ds, valid_ds, stop, start, consumed, run_dir, goodput)
     finally:
+        goodput.close()
         saver.close()  # after an error: an asynchronous write in flight finishes first
         logger.close()
 
 
-def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir) -> Dict[str, Any]:
+def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, consumed, run_dir,
+          goodput) -> Dict[str, Any]:
     layout, device, main = mesh.layout, mesh.device, mesh.rank == 0
     t, g = cfg.train, cfg.train.global_batch_size
     tokens_per_step = g * cfg.model.seq_len
@@ -336,6 +340,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
         if sample:
             engine.dp.sampling = True
         t0 = time.perf_counter()
+        goodput.step_began(engine.step + 1)  # (the faults tests inject act here, inside the step's time)
         try:
             stats = engine.train_step(batch_source(train_ds, consumed, cfg, mesh),
                                       extra=lambda: _stop_flags(stop, began, t.time_limit_minutes))
@@ -346,6 +351,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
             torch.cuda.synchronize()
         window_time += time.perf_counter() - t0
         window_steps += 1
+        goodput.step_ended()
         if state_bytes is None:  # measured once, after the first step (optimizer state exists, gathers happened)
             state_bytes = engine.dp.memory()
             if main:
@@ -371,6 +377,7 @@ def _loop(cfg, mesh, engine, ckpt, logger, train_ds, valid_ds, stop, start, cons
                         "comm": mesh.ledger.snapshot(), "step_time_s": window_time / window_steps,
                         "loss_scale": stats["loss_scale"], "skipped_steps": engine.skipped_steps,
                         "consumed_samples": consumed, "model_state_bytes": state_bytes, "time": time.time(),
+                        **goodput.record(step),  # restarts; the slowest rank's time vs the median
                         **({"fp8": engine.dp.fp8_record()} if engine.fp8_scaling is not None else {}),
                         **({"moe": stats["moe"]} if "moe" in stats else {}),
                         **({"recompiles": recompiles()} if engine.compiled else {}),
