@@ -93,6 +93,63 @@ def test_async_save_writes_the_synchronous_bytes_in_every_layout(tmp_path):
         assert abs(staged - estimate) <= 0.01 * estimate, (name, staged, estimate)  # (ZeRO pads its shards)
 
 
+def _waiting_in(thread_id: int, function: str) -> bool:
+    """Whether the thread is (somewhere down its stack) inside ``function`` now."""
+    import sys
+
+    frame = sys._current_frames().get(thread_id)
+    while frame is not None:
+        if frame.f_code.co_name == function:
+            return True
+        frame = frame.f_back
+    return False
+
+
+def one_in_flight_worker(root: str):
+    """The first write is held until the training thread is seen waiting for it in the second save; returns, for
+    each write, what 'latest' named when its writer started."""
+    import time
+
+    from tests.parallel_utils import batch_fn, build_engine, tiny_config
+    from training import checkpoint_publish
+    from training.async_checkpoint import Saver
+    from training.checkpoint import Checkpointer
+
+    gate, seen = threading.Event(), []
+    latest = Path(root) / "latest"
+
+    def reached(point: str) -> None:
+        if point == "staged":
+            seen.append(latest.read_text().strip() if latest.exists() else None)
+            if len(seen) == 1:
+                gate.wait()
+
+    checkpoint_publish.reached = reached
+    cfg = tiny_config("checkpoint.async_save=true")
+    engine = build_engine(cfg)
+    saver = Saver(cfg, Checkpointer(cfg, root, engine), engine.mesh)
+    engine.train_step(batch_fn(engine, 0))
+    saver.save(1, 8)
+    engine.train_step(batch_fn(engine, 1))  # while step 1's write is held
+    me = threading.get_ident()
+
+    def release() -> None:  # once the training thread waits for the held write (its stack says so), let it go
+        while not _waiting_in(me, "_collect"):
+            time.sleep(0.01)
+        gate.set()
+
+    threading.Thread(target=release, daemon=True).start()
+    saver.save(2, 16)
+    saver.finish()
+    return seen, latest.read_text().strip()
+
+
+def test_the_next_save_waits_for_the_write_in_flight(tmp_path):
+    seen, latest = run_world(one_in_flight_worker, 1, str(tmp_path))[0]
+    assert seen == [None, "step_00000001"], seen  # the second writer started after the first had published
+    assert latest == "step_00000002" and verify(tmp_path / "step_00000001") is None
+
+
 # -- the trainer: resume, failures, crashes -------------------------------------------------------------------------
 COMMON = FAST + ["train.max_steps=6", "checkpoint.interval=2", "train.decay_steps=8"]  # (the schedule of 8 steps)
 

@@ -172,7 +172,7 @@ class Checkpointer:
             except (Exception, CheckpointException) as e:  # noqa: BLE001 - reported by write, on every rank
                 job.error = _save_error(e, job.tmp)
             finally:
-                if copy is not None:
+                if copy is not None or job.error is not None:  # (write releases them only after writing)
                     self._release_staged()
                     job.release = lambda: None
             job.rng = {"rng": self.engine.rng.state_dict(), "coords": self.mesh.layout.coords(self.mesh.rank)}
