@@ -12,10 +12,12 @@ import pytest
 import train
 from tests.dist_harness import run_world, train_main
 from tests.test_failures import fails_with
-from tests.test_reliability import unwritable_dir  # noqa: F401 (a fixture)
+from tests import test_reliability
 from tests.test_train_e2e import FAST, ROOT, losses_by_step, run_forked
 from training.checkpoint_files import verify
 from training.ckpt_interval import AutoInterval, young_daly_steps
+
+unwritable_dir = test_reliability.unwritable_dir  # (a fixture: a directory nobody may write into)
 
 QWZ, HPZ, QGZ = "zero.quantized_weights=true", "zero.hpz_size=2", "zero.quantized_gradients=true"
 MOE = ["model.moe.num_experts=4", "model.moe.top_k=2", "model.moe.ffn_hidden=32", "model.moe.bias_update_rate=0.01"]
@@ -278,7 +280,7 @@ def test_bad_checkpoint_settings_are_one_line(tmp_path, capsys, args, expected):
     assert not (tmp_path / "run").exists()
 
 
-def test_async_save_into_an_unwritable_directory_is_refused_at_start(tmp_path, capsys, unwritable_dir):  # noqa: F811
+def test_async_save_into_an_unwritable_directory_is_refused_at_start(tmp_path, capsys, unwritable_dir):
     err = fails_with(capsys, *FAST, "train.max_steps=2", "checkpoint.async_save=true",
                      f"logging.run_dir={tmp_path / 'run'}", f"checkpoint.dir={unwritable_dir}")
     assert err.count("\n") == 1 and f"cannot write in {unwritable_dir}" in err, err
