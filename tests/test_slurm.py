@@ -64,10 +64,11 @@ def cluster():
         yield c
 
 
-def _submit(cluster: LocalSlurm, tmp: Path, name: str, flags: List[str], extra_env: Dict[str, str] = {}) -> str:
+def _submit(cluster: LocalSlurm, tmp: Path, name: str, flags: List[str], extra_env: Dict[str, str] = {},
+            extra_args: List[str] = []) -> str:
     env = cluster.env({**os.environ, "RUN_ROOT": str(tmp / "runs"), "PYTHONUNBUFFERED": "1", **extra_env})
     cmd = ["sbatch", "--parsable", f"--job-name={name}", f"--output={tmp}/%x-%j.out", *flags, *CPU_FLAGS,
-           "scripts/slurm/train.sbatch", "configs/tiny.yaml", *TRAIN_ARGS]
+           "scripts/slurm/train.sbatch", "configs/tiny.yaml", *TRAIN_ARGS, *extra_args]
     r = cluster.run(cmd, env=env, cwd=REPO, check=False)
     assert r.returncode == 0, f"{' '.join(cmd)}: {r.stdout}{r.stderr}"
     return r.stdout.strip().split(";")[0]
@@ -192,6 +193,26 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert losses_one == pytest.approx(reference, rel=1e-5, abs=1e-6)
     t_two = time.monotonic() - began - t_one
 
+    # -- two nodes, train.max_restarts=1, rank 1 SIGKILLed at step 12: the step restarts inside the allocation -------
+    name = "kill-restart"
+    killed_step = CKPT_INTERVAL + 2
+    job = _submit(cluster, tmp_path, name, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"],
+                  extra_env={"GPT_FAULTS": f"kill:rank=1:step={killed_step}"}, extra_args=["train.max_restarts=1"])
+    info = _wait(cluster, tmp_path, name, job, _finished, "end")
+    out = _output(tmp_path, name, job)
+    restarted = _check_trained(cluster, tmp_path, name, job, info)
+    assert info["Restarts"] == "0", f"{info}\n{out}"  # not requeued: restarted inside the same allocation
+    assert re.search(r"\[sbatch\] the training step failed \(status \d+\): restart 1 of train.max_restarts=1", out), out
+    assert f"[train] restart 1 of 1 inside this launch (a rank died): resumed at step {CKPT_INTERVAL}" in out, out
+    # the restarted step is the uninterrupted one, step by step, bit for bit (deterministic CPU)
+    assert restarted == reference, {s: (restarted.get(s), reference[s]) for s in reference
+                                    if restarted.get(s) != reference[s]}
+    assert {r["step"]: r["restarts"] for r in _records(tmp_path / "runs" / name) if "loss" in r} == \
+        {s: int(s > CKPT_INTERVAL) for s in range(1, STEPS + 1)}
+    killed_at = float(re.search(r"\[fault\] kill rank 1 step \d+ attempt 0 at ([\d.]+)", out).group(1))
+    resumed_at = next(r["time"] for r in _records(tmp_path / "runs" / name) if r.get("step") == CKPT_INTERVAL + 1)
+    t_kill = time.monotonic() - began - t_one - t_two
+
     # -- two nodes, SIGUSR1 to the batch shell mid-run: save, requeue, resume, same loss curve ---------------
     name = "usr1-requeue"
     job = _submit(cluster, tmp_path, name, ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"])
@@ -216,7 +237,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir()
     # the interrupted + resumed run is the uninterrupted one, step by step, bit for bit (deterministic CPU)
     assert resumed == reference, {s: (resumed.get(s), reference[s]) for s in reference if resumed.get(s) != reference[s]}
-    t_usr1 = time.monotonic() - began - t_one - t_two
+    t_usr1 = time.monotonic() - began - t_one - t_two - t_kill
 
     # -- scancel (SIGTERM to the batch shell and the ranks): save if there is time, no requeue ------------------
     name = "scancel"
@@ -234,7 +255,7 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert (run_dir / "checkpoints" / f"step_{stopped_at:08d}").is_dir(), out
     assert "[sbatch] SIGTERM" in out and "stopped by SIGTERM (time limit, scancel or preemption): not requeueing" in out \
         and f"requeueing job {job}" not in out, out
-    t_term = time.monotonic() - began - t_one - t_two - t_usr1
+    t_term = time.monotonic() - began - t_one - t_two - t_kill - t_usr1
 
     # -- an unresolvable MASTER_ADDR: the job stops at once, naming it, and is not requeued -----------------
     bad = _submit(cluster, tmp_path, "bad-master", ["--nodes=2", "--ntasks-per-node=1", "--cpus-per-task=1"],
@@ -245,7 +266,9 @@ def test_train_sbatch_on_a_local_slurm(cluster: LocalSlurm, tmp_path: Path) -> N
     assert time.monotonic() - t0 < 50, "the job waited for the rendezvous timeout instead of failing fast"
     assert info["JobState"] == "FAILED" and info["Restarts"] == "0", f"{info}\n{out}"
     assert "MASTER_ADDR='smk-nowhere' does not resolve" in out, out
-    print(f"[test_slurm] one node {t_one:.1f} s, two nodes {t_two:.1f} s, USR1+requeue {t_usr1:.1f} s, "
+    print(f"[test_slurm] one node {t_one:.1f} s, two nodes {t_two:.1f} s, kill+restart {t_kill:.1f} s (kill to the "
+          f"resumed step {resumed_at - killed_at:.1f} s), "
+          f"USR1+requeue {t_usr1:.1f} s, "
           f"scancel {t_term:.1f} s, bad MASTER_ADDR {time.monotonic() - t0:.1f} s")
 
 
