@@ -190,6 +190,38 @@ def test_async_run_saves_and_resumes_like_the_synchronous_one(tmp_path, sync_run
     assert _without_meta(_digests(ckpts / "step_00000008")) == digests[8]
 
 
+def test_sigterm_ends_with_a_published_async_save(tmp_path):
+    """SIGTERM once step 3 is logged (checkpoint.interval=0: the exit save is the only one): exit code 0, and the
+    exit save's write was waited for: 'latest' names the step the run stopped at, complete and verified (a daemon
+    writer thread not waited for would die with the process)."""
+    import time
+
+    from tests.test_train_e2e import _train_main_telling_its_pid, records
+
+    run_dir, pid_file, outcome = tmp_path / "run", tmp_path / "pid", {}
+    args = [*FAST, "train.max_steps=1000", "checkpoint.interval=0", "checkpoint.async_save=true",
+            f"logging.run_dir={run_dir}"]
+
+    def interrupted():
+        outcome["ranks"] = run_world(_train_main_telling_its_pid, 1, str(pid_file), args, timeout=300,
+                                     env={"OMP_NUM_THREADS": "1"})
+
+    thread = threading.Thread(target=interrupted)
+    thread.start()
+    deadline = time.time() + 120
+    while not any(r.get("step", 0) >= 3 for r in records(run_dir)):
+        assert thread.is_alive() and time.time() < deadline, f"step 3 not reached: {outcome}"
+        time.sleep(0.05)
+    os.kill(int(pid_file.read_text()), signal.SIGTERM)
+    thread.join(120)
+    code, out, err = outcome["ranks"][0]
+    assert code == 0 and "(signal)" in out, err[-3000:]
+    stopped = max(r["step"] for r in records(run_dir) if "loss" in r)
+    ckpts = run_dir / "checkpoints"
+    assert (ckpts / "latest").read_text().strip() == f"step_{stopped:08d}"
+    assert verify(ckpts / f"step_{stopped:08d}") is None
+
+
 def _train_killed_at(point: str, nth: int, args):
     """train.main on a forked rank whose process is killed (SIGKILL, from the writer thread) the ``nth`` time a save
     reaches ``point`` (training/checkpoint_publish.py ``reached``)."""
