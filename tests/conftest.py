@@ -18,8 +18,10 @@ import torch
 
 
 LONGEST_FIRST = (
-    "tests/test_slurm.py::test_train_sbatch_on_a_local_slurm",  # ~75 s, most of it waiting on SLURM
+    "tests/test_slurm.py::test_train_sbatch_on_a_local_slurm",  # ~110 s with its kill+restart, mostly waiting
     "tests/test_reliability.py::test_a_rank_frozen_in_a_zeropp_hop_ends_the_job_naming_a_rank",  # timeouts expire
+    "tests/test_restart.py::test_a_killed_rank_restarts_the_group_and_ends_on_the_uninterrupted_curve",  # ~35 s
+    "tests/test_restart.py::test_restarts_used_up_end_the_job_with_one_line",  # 4 interpreters
     "tests/test_train_e2e.py::test_default_job_learns_and_writes_metrics_wandb_and_checkpoint",
     "tests/test_train_e2e.py::test_a_dying_rank_ends_the_job",
     "tests/test_subgroup_timeouts.py",
