@@ -18,6 +18,14 @@ class DataConfig:
     """Tokenizer used to build the data: a sentencepiece .model, a Hugging Face tokenizer.json, or a directory holding
     one (tokenizer.json first, else tokenizer.model). Its vocabulary bounds model.vocab_size; data whose .idx records
     another tokenizer is refused."""
+    document_mask: bool = False
+    """Each token attends only to the earlier tokens of its own document (Llama 3's mask; Megatron's
+    --reset-attention-mask): documents end with the tokenizer's EOD id, which the data must hold (checked at start)
+    and whose own loss (predicting the next document's first token) is kept. Off: causal attention over the whole
+    sample, across its documents."""
+    reset_position_ids: bool = False
+    """With data.document_mask: rotary positions restart at 0 at each document's first token (Megatron's
+    --reset-position-ids)."""
 
 
 @dataclass

@@ -105,6 +105,8 @@ class GPTDataset:
                 f"need at least seq_len + 1 = {seq_len + 1} ({indexed.prefix}.bin)"
             )
         self.samples_per_epoch = (self.tokens_per_epoch - 1) // seq_len
+        self.document_eod: int | None = None
+        """The EOD id that ends every document, when checked for document masks (:func:`build_datasets`)."""
         self._epochs: OrderedDict[int, _Epoch] = OrderedDict()
 
     def _epoch(self, epoch: int) -> _Epoch:
@@ -179,6 +181,9 @@ class BlendedDataset:
             raise DataError(f"{len(datasets)} datasets but {len(weights)} blend weights")
         self.datasets = list(datasets)
         self.weights = _normalized(weights)
+        eods = {getattr(d, "document_eod", None) for d in self.datasets}
+        self.document_eod: int | None = eods.pop() if len(eods) == 1 else None
+        """The EOD id of every dataset of the blend (None unless they share one)."""
         self._blocks: OrderedDict[int, tuple[np.ndarray, np.ndarray]] = OrderedDict()
 
     def _counts_before(self, time: float) -> np.ndarray:
@@ -275,6 +280,7 @@ def build_datasets(
     vocab_size: int | None = None,
     seed_names: Sequence[str] | None = None,
     tokenizer: Tokenizer | None = None,
+    document_eod: int | None = None,
 ) -> tuple[Sampleable, Sampleable | None]:
     """Train and valid sample streams over the ``.bin/.idx`` prefixes ``paths``.
 
@@ -290,7 +296,8 @@ def build_datasets(
     refused: on opening (from the index's largest id) and in every sample read
     (corrupted bytes), naming the file.  With ``tokenizer`` (the run's
     ``data.tokenizer``), a file whose index records another tokenizer is
-    refused (:func:`check_tokenizer`).
+    refused (:func:`check_tokenizer`).  With ``document_eod`` (``data.document_mask``), data whose documents do
+    not end with that EOD id is refused (:func:`check_document_ends`).
     """
     if not paths:
         raise DataError("no data paths given")
@@ -308,6 +315,8 @@ def build_datasets(
             check_tokenizer(d, tokenizer)
         if vocab_size is not None:
             d.check_vocab(vocab_size)
+        if document_eod is not None:
+            check_document_ends(d, document_eod)
     dtypes = {path: str(d.dtype) for path, d in zip(paths, indexed, strict=True)}
     if len(set(dtypes.values())) > 1:
         raise DataError(f"blended datasets must share a token dtype (vocabulary), got {dtypes}")
@@ -323,16 +332,47 @@ def build_datasets(
                 else content_key(d.content_sha256, part_name)
             )
             datasets.append(GPTDataset(d, doc_ids[part], seq_len, seed, name, vocab_size, key))
+            datasets[-1].document_eod = document_eod
         return _combine(datasets, weights)
 
     return stream(0, "train"), stream(1, "valid") if float(split[1]) > 0 else None
 
 
-def get_batch(dataset: Sampleable, indices: Sequence[int],
-              spans: Sequence[tuple[int, int]] | None = None) -> tuple[torch.Tensor, torch.Tensor]:
+def document_ids(tokens: torch.Tensor, eod: int) -> torch.Tensor:
+    """The document of each token of ``tokens`` ``[b, S]``, int32 ``[b, S]``: the number of EOD tokens before it in
+    its row (an EOD ends its own document; the next token starts the next one)."""
+    is_eod = (tokens == eod).to(torch.int32)
+    return is_eod.cumsum(1, dtype=torch.int32) - is_eod
+
+
+def check_document_ends(indexed: IndexedDataset, eod: int, setting: str = "data.document_mask",
+                        docs: int = 8) -> None:
+    """Refuse data whose documents do not end with the EOD id ``eod`` (read: the last token of the first ``docs``
+    documents and of the last one), in one line naming the file and ``setting``: document masks find documents by
+    their EOD, so data preprocessed without it (``--no-eod``) would be masked as one document."""
+    for i in sorted({*range(min(docs, indexed.num_docs)), indexed.num_docs - 1}):
+        size = int(indexed.sizes[i])
+        last = int(indexed.get(i, size - 1, 1)[0]) if size else None
+        if last != eod:
+            raise DataError(f"{indexed.prefix}.bin: document {i} ends with token {last}, not the tokenizer's EOD "
+                            f"id {eod}: {setting}=true finds documents by their EOD (preprocess without --no-eod, "
+                            f"or set {setting}=false)")
+
+
+def get_batch(dataset: Sampleable, indices: Sequence[int], spans: Sequence[tuple[int, int]] | None = None,
+              eod: int | None = None) -> tuple[torch.Tensor, ...]:
     """``(tokens, labels)``, both int64 ``[len(indices), seq_len]``, for the given samples; with ``spans`` (token
     ranges ``[lo, hi)`` of a sequence, as context parallelism's chunks) only those positions, concatenated in that
-    order: ``[len(indices), sum of hi - lo]``, each span's tokens and their next tokens read as one window."""
+    order: ``[len(indices), sum of hi - lo]``, each span's tokens and their next tokens read as one window. With
+    ``eod`` (document masks), a third tensor: the whole sequences' ``document_ids`` ``[len(indices), seq_len]``,
+    whatever the spans (each CP rank then reads the whole samples, to know every chunk's documents)."""
+    if eod is not None:
+        samples = torch.from_numpy(np.stack([dataset.sample(int(i)) for i in indices]))
+        tokens, labels = samples[:, :-1], samples[:, 1:]
+        docs = document_ids(tokens, eod)
+        if spans is not None:
+            tokens, labels = (torch.cat([t[:, lo:hi] for lo, hi in spans], dim=1) for t in (tokens, labels))
+        return tokens.contiguous(), labels.contiguous(), docs
     if spans is None:
         samples = torch.from_numpy(np.stack([dataset.sample(int(i)) for i in indices]))
         return samples[:, :-1].contiguous(), samples[:, 1:].contiguous()

@@ -20,7 +20,8 @@ from torch.utils.checkpoint import checkpoint
 from config import ModelConfig
 from config.moe import is_moe_layer
 from model.init import init_parameters
-from model.layers import Block, Norm, TPContext, forked
+from model.doc_mask import DocumentMask
+from model.layers import Block, Norm, TPContext, forked, rope_frequencies
 from model.moe import MoE
 from parallel.cross_entropy import vocab_parallel_cross_entropy
 from parallel.tensor_parallel import ColumnParallelLinear, VocabParallelEmbedding
@@ -35,6 +36,8 @@ class GPTChunk(nn.Module):
         super().__init__()
         self.cfg, self.ctx, self.first, self.last = cfg, ctx, first, last
         self.layer_ids = list(layers)
+        self.rope_frequencies = rope_frequencies(cfg) if ctx.reset_position_ids else None
+        """data.reset_position_ids: rotary positions restart at each document (model/doc_mask.py)."""
         sp = ctx.sequence_parallel
         if first:
             self.embedding = VocabParallelEmbedding(cfg.vocab_size, cfg.d_model, ctx.tp, sequence_parallel=sp,
@@ -74,16 +77,20 @@ class GPTChunk(nn.Module):
         ``[b, s]`` (upcast to fp32 inside; compiled by model/compile.py at tp = 1)."""
         return vocab_parallel_cross_entropy(logits, labels.t(), self.ctx.tp).mean()
 
-    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None) -> torch.Tensor:
-        """tokens [b, s] (first chunk) or hidden [s(/tp), b, h] -> hidden, or the loss on the last chunk."""
+    def forward(self, x: torch.Tensor, labels: Optional[torch.Tensor] = None,
+                docs: Optional[torch.Tensor] = None) -> torch.Tensor:
+        """tokens [b, s] (first chunk) or hidden [s(/tp), b, h] -> hidden, or the loss on the last chunk. ``docs``:
+        the micro-batch's document ids ``[b, S]`` (data.document_mask), from which its mask is built once here for
+        every block (``model/doc_mask.py``); None = causal attention."""
         if self.first:
             x = self.embed(x)
+        mask = () if docs is None else (DocumentMask.build(docs, self.ctx.cp, self.rope_frequencies),)
         full = self.cfg.activation_checkpointing == "full" and torch.is_grad_enabled()
         for block in self.layers.values():
             if full:
-                x = checkpoint(block, x, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
+                x = checkpoint(block, x, *mask, use_reentrant=False, context_fn=self.ctx.rng.checkpoint_contexts)
             else:
-                x = block(x)
+                x = block(x, *mask)
         if self.last:
             if labels is None:
                 raise ValueError("the last model chunk needs labels to compute the loss")

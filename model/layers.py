@@ -9,13 +9,14 @@ from __future__ import annotations
 
 import math
 from dataclasses import dataclass
-from typing import Optional
+from typing import Optional, Tuple
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 from torch.utils.checkpoint import checkpoint
 
+from model.doc_mask import DocumentMask
 from parallel.comm import Group
 from parallel.context import ContextParallel, context_attention
 from parallel.cpu_gemm import attention
@@ -59,6 +60,8 @@ class TPContext:
     cp: Optional[ContextParallel] = None
     """Context parallelism: the ranks splitting each sequence (``parallel/context.py``); this rank's tokens are two
     chunks of it (``parallel/layout.py cp_spans``). None = whole sequences here."""
+    reset_position_ids: bool = False
+    """data.reset_position_ids: with document masks, rotary positions restart at each document."""
 
 
 class Norm(nn.Module):
@@ -124,11 +127,13 @@ class Rotary(nn.Module):
         self.register_buffer("cos", angles.cos().float()[:, None, None, :], persistent=False)
         self.register_buffer("sin", angles.sin().float()[:, None, None, :], persistent=False)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, rope: Optional[Tuple[torch.Tensor, torch.Tensor]] = None) -> torch.Tensor:
+        """``rope``: (cos, sin) ``[s, b, 1, head_dim]`` at per-token positions (``model/doc_mask.py``) instead."""
         s = x.shape[0]
         x1, x2 = x.chunk(2, dim=-1)
         rotated = torch.cat([-x2, x1], dim=-1)
-        return (x * self.cos[:s] + rotated * self.sin[:s]).to(x.dtype)
+        cos, sin = rope if rope is not None else (self.cos[:s], self.sin[:s])
+        return (x * cos + rotated * sin).to(x.dtype)
 
 
 class Attention(nn.Module):
@@ -180,22 +185,26 @@ class Attention(nn.Module):
         with torch.autocast(x.device.type, enabled=False):
             return F.rms_norm(x.float(), (self.head_dim,), weight.float(), self.eps).to(x.dtype)
 
-    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor) -> torch.Tensor:
+    def _core(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor,
+              docs: Optional[DocumentMask] = None) -> torch.Tensor:
         if self.qk_norm:  # before RoPE; inside the selective checkpoint, so recomputed rather than saved
             q, k = self._head_norm(q, self.q_norm.weight), self._head_norm(k, self.k_norm.weight)
+        rope = docs.rope if docs is not None else None
         # [s, b, heads, d] -> [b, heads, s, d]; heads are split over TP, so dropout draws per TP rank
-        q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q), self.rotary(k), v))
+        q, k, v = (t.permute(1, 2, 0, 3) for t in (self.rotary(q, rope), self.rotary(k, rope), v))
         gqa = {"enable_gqa": True} if self.kv_heads != self.heads else {}  # each KV head serves heads/kv_heads
+        # the document mask (model/doc_mask.py) in place of the causal one, else exactly the causal call
+        mask = {"attn_mask": docs.dense} if docs is not None else {"is_causal": True}
         p = self.dropout if self.training else 0.0
         if self.ctx.cp is not None:  # the sequence's other chunks live on the other CP ranks (no dropout: config)
-            o = context_attention(q, k, v, self.ctx.cp)
+            o = context_attention(q, k, v, self.ctx.cp, mask=docs.ring if docs is not None else None)
         elif p > 0:  # the per-TP-rank stream (its swap is not traceable: see forked)
-            o = forked(self.ctx.rng, attention, q, k, v, is_causal=True, dropout_p=p, **gqa)
+            o = forked(self.ctx.rng, attention, q, k, v, dropout_p=p, **mask, **gqa)
         else:
-            o = attention(q, k, v, is_causal=True, **gqa)
+            o = attention(q, k, v, **mask, **gqa)
         return o.permute(2, 0, 1, 3).flatten(2)  # [s, b, heads * d]
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
+    def forward(self, x: torch.Tensor, docs: Optional[DocumentMask] = None) -> torch.Tensor:
         qkv = self.qkv(x)
         s, b = qkv.shape[:2]
         if self.kv_heads == self.heads:
@@ -209,11 +218,11 @@ class Attention(nn.Module):
         v = v.contiguous()
         if self.selective_checkpoint and torch.is_grad_enabled():
             if self.dropout > 0 and self.training:  # the recompute must replay the tp stream's masks
-                o = forked_checkpoint(self.ctx.rng, self._core, q, k, v)
+                o = forked_checkpoint(self.ctx.rng, self._core, q, k, v, docs)
             else:  # nothing random inside: a checkpoint region torch.compile traces
-                o = checkpoint(self._core, q, k, v, use_reentrant=False)
+                o = checkpoint(self._core, q, k, v, docs, use_reentrant=False)
         else:
-            o = self._core(q, k, v)
+            o = self._core(q, k, v, docs)
         return self.proj(o)
 
 
@@ -266,6 +275,7 @@ class Block(nn.Module):
         self.mlp = mlp if mlp is not None else MLP(cfg, ctx)
         self.drop = ResidualDropout(cfg.dropout, ctx)
 
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        x = x + self.drop(self.attn(self.attn_norm(x)))
+    def forward(self, x: torch.Tensor, docs: Optional[DocumentMask] = None) -> torch.Tensor:
+        """``docs``: the micro-batch's document mask (``model/doc_mask.py``); None = causal attention."""
+        x = x + self.drop(self.attn(self.attn_norm(x), docs))
         return x + self.drop(self.mlp(self.mlp_norm(x)))

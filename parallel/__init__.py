@@ -31,6 +31,7 @@ What lives here:
     cpu_gemm.py        16-bit linears and attention in fp32 on CPUs without bf16/fp16 instructions (50x there)
     expert_parallel.py expert parallelism's token exchange: the dispatch and combine all-to-alls of MoE layers
     context.py         context parallelism's attention: ring (p2p) and all-gather forms, log-sum-exp merge
+    context_mask.py    document masks under CP: each attention pair's slice of the mask, the empty pairs skipped
   strategies and accounting (may also import model/: units, tied embeddings and parameter counts need shapes)
     data_parallel.py   ZeRO stage 0: bucketed all-reduce overlapped with the last backward
     zero/              ZeRO stages 1-3 and ZeRO++ (see parallel/zero/__init__.py)

@@ -44,6 +44,11 @@ branch has not run on a GPU yet**. Grouped-query attention: K/V heads are expand
 head i uses KV head i // (heads / kv_heads), as SDPA's ``enable_gqa``) and their gradients summed back over each
 group.
 
+**Document masks** (``mask``, ``parallel/context_mask.py``): the same pairs, each with its slice of the micro-batch's
+mask; a pair no row sees anything of is skipped (its block still travels: every rank posts the same transfers, so
+the bytes above hold), one inside a single document keeps the dense kernel, and the rest run the kernel with an
+additive mask, their empty rows set to (0, -inf) before the merge, whose weights are then 0 rather than NaN.
+
 No dropout (config/context.py refuses attention_dropout > 0 with cp > 1). Under ``torch.compile`` the entry point
 runs eagerly between compiled regions (``torch.compiler.disable``), as every collective of the project does.
 """
@@ -56,6 +61,7 @@ import torch
 
 from parallel import comm
 from parallel.comm import Group
+from parallel.context_mask import ContextMask, Pair, PairMask
 from parallel.cpu_gemm import attention as cpu_attention
 from parallel.layout import cp_chunks, cp_spans
 
@@ -112,15 +118,16 @@ def _global_order(per_rank: List[torch.Tensor], dim: int) -> torch.Tensor:
 
 @torch.compiler.disable
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                      scale: Optional[float] = None) -> torch.Tensor:
-    """Causal attention over global positions of this rank's two chunks (module docstring).
+                      scale: Optional[float] = None, mask: Optional[ContextMask] = None) -> torch.Tensor:
+    """Causal attention over global positions of this rank's two chunks (module docstring); with ``mask``, a
+    micro-batch's document mask (``parallel/context_mask.py``): its pairs instead, the empty ones skipped.
 
     ``q`` ``[b, heads, 2C, d]``, ``k`` and ``v`` ``[b, kv_heads, 2C, d]`` with heads a multiple of kv_heads (any
     strides). Returns ``[b, heads, 2C, d]`` in q's dtype: the full causal SDPA over the whole sequence (every
     rank's chunks in global order) at this rank's rows. With cp = 1 it is causal SDPA (parallel/cpu_gemm.py's
     ``attention``). Under autocast the operands are cast to its dtype first, as SDPA's are."""
     gqa = q.shape[1] != k.shape[1]
-    if cp.size == 1:
+    if cp.size == 1 and mask is None:
         return cpu_attention(q, k, v, is_causal=True, scale=scale, enable_gqa=gqa)
     if q.shape[1] % k.shape[1] or k.shape != v.shape or q.shape[2] % 2:
         raise ValueError(f"context attention needs q [b, heads, 2C, d] and k, v [b, kv_heads, 2C, d] with heads a "
@@ -130,9 +137,11 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
         q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
     with torch.autocast(device, enabled=False):
         if cp.comm == "a2a":
+            if mask is not None:
+                raise ValueError("document masks run under the p2p and all_gather forms, not a2a")
             return _ulysses(q, k, v, cp, scale)
         form = _Ring if cp.comm == "p2p" else _AllGather
-        return form.apply(q, k, v, cp, scale)
+        return form.apply(q, k, v, cp, scale, mask)
 
 
 def _ulysses(q, k, v, cp: ContextParallel, scale):
@@ -162,37 +171,50 @@ class _Kernels:
         b, h, n, d = grad.shape
         return grad.to(self.acc).view(b, h // self.groups, self.groups, n, d).sum(2)
 
-    def forward(self, q, k, v, causal: bool) -> Tuple[torch.Tensor, torch.Tensor]:
-        """The pair's output and log-sum-exp ``[b, heads, Lq]``, in the accumulator dtype."""
+    def _bias(self, q: torch.Tensor, mask: Optional[PairMask]) -> Optional[torch.Tensor]:
+        """The pair's additive mask (0 / -inf) ``[b, 1 or heads, Lq, Lk]`` as the kernel takes it, or None."""
+        if mask is None:
+            return None
+        bias = mask.bias(self.work)
+        return bias.expand(-1, q.shape[1], -1, -1) if q.is_cuda else bias
+
+    def forward(self, q, k, v, causal: bool, mask: Optional[PairMask] = None) -> Tuple[torch.Tensor, torch.Tensor]:
+        """The pair's output and log-sum-exp ``[b, heads, Lq]``, in the accumulator dtype; the rows that see no key
+        of a masked pair get output 0 and lse -inf (the CPU kernel returns lse 0 for them)."""
+        bias = self._bias(q, mask)
         if q.is_cuda:
-            out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, None, True, 0.0, causal,
+            out, lse, _, _ = aten._scaled_dot_product_efficient_attention(q, k, v, bias, True, 0.0, causal,
                                                                           scale=self.scale)
             lse = lse[..., :q.shape[2]]  # the kernel pads its rows to a multiple of 32
         else:
-            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, scale=self.scale)
-        return out.to(self.acc), lse.to(self.acc)
+            out, lse = aten._scaled_dot_product_flash_attention_for_cpu(q, k, v, 0.0, causal, attn_mask=bias,
+                                                                        scale=self.scale)
+        out, lse = out.to(self.acc), lse.to(self.acc)
+        if mask is not None and mask.rows is not None:
+            lse = lse.masked_fill(~mask.rows, float("-inf"))
+            out = out.masked_fill(~mask.rows[..., None], 0.0)
+        return out, lse
 
-    def backward(self, dout, q, k, v, out, lse, causal: bool) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The pair's dq, dk, dv (dk, dv over expanded heads) given the merged ``out`` and ``lse`` of its rows."""
+    def backward(self, dout, q, k, v, out, lse, causal: bool,
+                 mask: Optional[PairMask] = None) -> Tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The pair's dq, dk, dv (dk, dv over expanded heads) given the merged ``out`` and ``lse`` of its rows
+        (finite: every row sees its own token somewhere, so a masked key's P = exp(-inf - lse) is 0)."""
+        bias = self._bias(q, mask)
         if q.is_cuda:
             padded = torch.nn.functional.pad(lse.float(), (0, -lse.shape[-1] % 32))
             no_rng = torch.zeros((), dtype=torch.int64)  # the dropout generator's state: unused without dropout
             dq, dk, dv, _ = aten._scaled_dot_product_efficient_attention_backward(
-                dout, q, k, v, None, out, padded, no_rng, no_rng, 0.0, [True, True, True, False], causal,
+                dout, q, k, v, bias, out, padded, no_rng, no_rng, 0.0, [True, True, True, False], causal,
                 scale=self.scale)
         else:
             dq, dk, dv = aten._scaled_dot_product_flash_attention_for_cpu_backward(
-                dout, q, k, v, out, lse.contiguous(), 0.0, causal, scale=self.scale)
+                dout, q, k, v, out, lse.contiguous(), 0.0, causal, attn_mask=bias, scale=self.scale)
         return dq, dk, dv
-
-
-Pair = Tuple[int, int, int, bool]
-"""(local query chunk, first key, key count, causal): a query chunk's attention over a range of the keys in hand."""
 
 
 def _block_pairs(q_ids: Tuple[int, int], k_ids: Tuple[int, int], c: int) -> List[Pair]:
     """The pairs of this rank's query chunks with a K/V block holding chunks ``k_ids`` (C = c tokens each)."""
-    return [(a, j * c, c, kc == qc) for a, qc in enumerate(q_ids) for j, kc in enumerate(k_ids) if kc <= qc]
+    return [(a, j * c, c, kc == qc, None) for a, qc in enumerate(q_ids) for j, kc in enumerate(k_ids) if kc <= qc]
 
 
 def _rows(t: torch.Tensor, a: int, c: int) -> torch.Tensor:
@@ -204,11 +226,13 @@ def _attend(kern: _Kernels, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, p
             out: torch.Tensor, lse: torch.Tensor) -> None:
     """Merge the pairs' attention into the running ``out`` and ``lse`` (in place)."""
     c = q.shape[2] // 2
-    for a, start, n, causal in pairs:
-        o, m = kern.forward(_rows(q, a, c), k.narrow(2, start, n), v.narrow(2, start, n), causal)
+    for a, start, n, causal, mask in pairs:
+        o, m = kern.forward(_rows(q, a, c), k.narrow(2, start, n), v.narrow(2, start, n), causal, mask)
         o_run, m_run = _rows(out, a, c), _rows(lse, a, c)
         merged = torch.logaddexp(m_run, m)
-        o_run.mul_(torch.exp(m_run - merged).unsqueeze(-1)).add_(o * torch.exp(m - merged).unsqueeze(-1))
+        # a row that has seen nothing yet (masked pairs only) stays at (0, -inf): its weights are 0, not NaN
+        ref = merged.masked_fill(merged == float("-inf"), 0.0) if mask is not None else merged
+        o_run.mul_(torch.exp(m_run - ref).unsqueeze(-1)).add_(o * torch.exp(m - ref).unsqueeze(-1))
         m_run.copy_(merged)
 
 
@@ -217,9 +241,9 @@ def _attend_backward(kern: _Kernels, rows: Tuple[torch.Tensor, ...], k: torch.Te
     """Add the pairs' gradients to ``dq`` and to ``dkv`` (``[2, b, kv_heads, L, d]``, for the keys in hand)."""
     dout, q, out, lse = rows
     c = q.shape[2] // 2
-    for a, start, n, causal in pairs:
+    for a, start, n, causal, mask in pairs:
         g = kern.backward(*(_rows(t, a, c) for t in (dout, q)), k.narrow(2, start, n), v.narrow(2, start, n),
-                          *(_rows(t, a, c) for t in (out, lse)), causal)
+                          *(_rows(t, a, c) for t in (out, lse)), causal, mask)
         _rows(dq, a, c).add_(g[0])
         dkv[0].narrow(2, start, n).add_(kern.fold(g[1]))
         dkv[1].narrow(2, start, n).add_(kern.fold(g[2]))
@@ -269,16 +293,18 @@ class _Ring(torch.autograd.Function):
     """Ring attention (``p2p``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, scale):
-        kern, c, group = _Kernels(q, k, scale), q.shape[2] // 2, cp.group
+    def forward(ctx, q, k, v, cp: ContextParallel, scale, mask: Optional[ContextMask]):
+        kern, group = _Kernels(q, k, scale), cp.group
         out, lse = _start(kern, q)
         qw = q.to(kern.work)
         for src, block in _rotate(torch.stack([k, v]), group):
-            kv = kern.expand(block)
-            _attend(kern, qw, kv[0], kv[1], _block_pairs(cp.chunk_ids(), cp_chunks(cp.size, src), c), out, lse)
+            pairs = _ring_pairs(cp, src, q.shape[2] // 2, mask)
+            if pairs:  # a block none of whose pairs is visible is passed on without being expanded
+                kv = kern.expand(block)
+                _attend(kern, qw, kv[0], kv[1], pairs, out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.kern = cp, kern
+        ctx.cp, ctx.kern, ctx.mask = cp, kern, mask
         return out
 
     @staticmethod
@@ -289,18 +315,27 @@ class _Ring(torch.autograd.Function):
         dq = torch.zeros(q.shape, dtype=kern.acc, device=q.device)
         own = passing = None  # this rank's share of its own block's dK/dV; the accumulator in flight
         for step, (src, block) in enumerate(_rotate(torch.stack([k, v]), group)):
-            kv = kern.expand(block)
             dkv = torch.zeros(block.shape, dtype=kern.acc, device=q.device)
-            _attend_backward(kern, rows, kv[0], kv[1], _block_pairs(cp.chunk_ids(), cp_chunks(cp.size, src), c),
-                             dq, dkv)
+            pairs = _ring_pairs(cp, src, c, ctx.mask)
+            if pairs:
+                kv = kern.expand(block)
+                _attend_backward(kern, rows, kv[0], kv[1], pairs, dq, dkv)
             if step == 0:
                 own = dkv
                 continue
             if passing is not None:  # this block's accumulator, from rank-1, which had the block a step earlier
                 dkv += passing.arrived()
             passing = _Shift(dkv, group)
-        own += passing.arrived()  # the last hop brings this rank's own block's accumulator home
-        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None
+        if passing is not None:  # the last hop brings this rank's own block's accumulator home (none at cp 1)
+            own += passing.arrived()
+        return dq.to(q.dtype), own[0].to(k.dtype), own[1].to(v.dtype), None, None, None
+
+
+def _ring_pairs(cp: ContextParallel, src: int, c: int, mask: Optional[ContextMask]) -> List[Pair]:
+    """This rank's pairs with CP rank ``src``'s K/V block: the dense ones, or the document mask's."""
+    if mask is not None:
+        return mask.block_pairs(src)
+    return _block_pairs(cp.chunk_ids(), cp_chunks(cp.size, src), c)
 
 
 def _gather(kv: torch.Tensor, group: Group) -> torch.Tensor:
@@ -312,22 +347,23 @@ def _gather(kv: torch.Tensor, group: Group) -> torch.Tensor:
 
 def _prefix_pairs(q_ids: Tuple[int, int], c: int) -> List[Pair]:
     """Each local query chunk over the full-length keys: the chunks before it (no mask), then itself (causal)."""
-    return [(a, 0, qc * c, False) for a, qc in enumerate(q_ids) if qc > 0] + \
-        [(a, qc * c, c, True) for a, qc in enumerate(q_ids)]
+    return [(a, 0, qc * c, False, None) for a, qc in enumerate(q_ids) if qc > 0] + \
+        [(a, qc * c, c, True, None) for a, qc in enumerate(q_ids)]
 
 
 class _AllGather(torch.autograd.Function):
     """All-gathered K/V (``all_gather``)."""
 
     @staticmethod
-    def forward(ctx, q, k, v, cp: ContextParallel, scale):
+    def forward(ctx, q, k, v, cp: ContextParallel, scale, mask: Optional[ContextMask]):
         kern, c = _Kernels(q, k, scale), q.shape[2] // 2
         out, lse = _start(kern, q)
         kv = kern.expand(_gather(torch.stack([k, v]), cp.group))
-        _attend(kern, q.to(kern.work), kv[0], kv[1], _prefix_pairs(cp.chunk_ids(), c), out, lse)
+        pairs = mask.prefix_pairs() if mask is not None else _prefix_pairs(cp.chunk_ids(), c)
+        _attend(kern, q.to(kern.work), kv[0], kv[1], pairs, out, lse)
         out = out.to(q.dtype)
         ctx.save_for_backward(q, k, v, out, lse)
-        ctx.cp, ctx.kern = cp, kern
+        ctx.cp, ctx.kern, ctx.mask = cp, kern, mask
         return out
 
     @staticmethod
@@ -338,9 +374,9 @@ class _AllGather(torch.autograd.Function):
         kv = kern.expand(full)
         dq = torch.zeros(q.shape, dtype=kern.acc, device=q.device)
         dkv = torch.zeros(full.shape, dtype=kern.acc, device=q.device)
-        _attend_backward(kern, _query_rows(kern, dout, q, out, lse), kv[0], kv[1],
-                         _prefix_pairs(cp.chunk_ids(), c), dq, dkv)
+        pairs = ctx.mask.prefix_pairs() if ctx.mask is not None else _prefix_pairs(cp.chunk_ids(), c)
+        _attend_backward(kern, _query_rows(kern, dout, q, out, lse), kv[0], kv[1], pairs, dq, dkv)
         per_rank = torch.cat([local_chunks(dkv, cp.size, r, dim=3) for r in range(cp.size)])
         mine = torch.empty((2, *k.shape), dtype=kern.acc, device=q.device)
         comm.reduce_scatter(mine, per_rank, cp.group)
-        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None
+        return dq.to(q.dtype), mine[0].to(k.dtype), mine[1].to(v.dtype), None, None, None

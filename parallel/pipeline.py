@@ -25,11 +25,15 @@ BatchFn = Callable[[int], Tuple[torch.Tensor, torch.Tensor]]
 
 
 class PipelineRunner:
-    def __init__(self, mesh: Mesh, chunks: Sequence[nn.Module], activation_shape: Tuple[int, ...]):
-        """``activation_shape``: what flows between stages, ``[s (/tp under SP), micro_batch, d_model]``."""
+    def __init__(self, mesh: Mesh, chunks: Sequence[nn.Module], activation_shape: Tuple[int, ...],
+                 documents: bool = False):
+        """``activation_shape``: what flows between stages, ``[s (/tp under SP), micro_batch, d_model]``;
+        ``documents``: the batches carry document ids third (data.document_mask), which every chunk's attention
+        needs: each stage reads them with its micro-batch (the same samples; nothing travels between stages)."""
         self.mesh, self.chunks = mesh, list(chunks)
         self.pp, self.vp, self.rank = mesh.layout.pp, mesh.layout.virtual_stages, mesh.pp_rank
         self.activation_shape = activation_shape
+        self.documents = documents
         self.max_in_flight = 0
         self.released_bytes = 0  # storage freed after sending (activations and input gradients)
         self._plans: Dict[Tuple[int, bool], tuple] = {}
@@ -77,7 +81,7 @@ class PipelineRunner:
     # -- one forward / one backward -----------------------------------------------------------
     def _forward(self, a: Action, st: "_StepState", batch: BatchFn, compute, dtype, forward_only: bool) -> None:
         chunk = self.chunks[a.chunk]
-        tokens, labels = batch(a.mb) if chunk.first or chunk.last else (None, None)
+        tokens, labels, *docs = batch(a.mb) if chunk.first or chunk.last or self.documents else (None, None)
         if chunk.first:
             x = tokens
         else:
@@ -85,7 +89,7 @@ class PipelineRunner:
             if not forward_only:
                 x.requires_grad_()
         with compute():
-            out = chunk(x, labels if chunk.last else None)
+            out = chunk(x, labels if chunk.last else None, *docs)
         if chunk.last:
             st.losses.append(out.detach())
         for dst, msg in sends(a, self.pp, self.vp, self.rank):

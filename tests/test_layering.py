@@ -32,7 +32,7 @@ LAYERS: List[Tuple[str, List[str]]] = [
     ("parallel layers and shared gradient rules: TP/SP linears, vocab-parallel cross entropy, optimizer rules, "
      "16-bit CPU GEMMs, the MoE token exchange, context-parallel attention",
      ["parallel.tensor_parallel", "parallel.cross_entropy", "parallel.optim_rules", "parallel.cpu_gemm",
-      "parallel.expert_parallel", "parallel.context", "optimizers"]),
+      "parallel.expert_parallel", "parallel.context", "parallel.context_mask", "optimizers"]),
     ("model: the GPT from parallel-aware layers, its FLOPs, Hugging Face mapping", ["model"]),
     ("data-parallel strategies and accounting: stage 0, ZeRO 1-3 and ZeRO++, FP8-LM's ZeRO, analytic bytes",
      ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint",

@@ -74,6 +74,14 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "steps_le_skip": ["!--steps", "3"],
         "seq_len_odd": ["!--seq-len", "1020"],
     },
+    "bench_document_mask.py": {
+        **DATA_OVERRIDES,
+        "out_is_a_file": ["--out", "!{text}"],
+        "repeated_seed": ["!--seeds", "1", "2", "1"],
+        "seed_override": ["!train.seed=7"],
+        "steps_0": ["!--steps", "0"],
+        "time_steps_negative": ["!--time-steps", "-1"],
+    },
     "bench_fp8.py": {
         "missing": ["--presets", "!{absent}.yaml"],
         "wrong_kind": ["--presets", "!{dir}"],

@@ -60,7 +60,8 @@ class Engine:
         quantized = fp8 and fp8_operands(cfg.fp8)
         ctx = TPContext(mesh.tp, mesh.sequence_parallel, self.rng, fp8=cfg.fp8 if quantized else None,
                         kv_group=mesh.tp_kv_group(replicas) if replicas > 1 else None, ep=mesh.ep,
-                        cp=ContextParallel(mesh.cp, cfg.parallel.cp_comm) if layout.cp > 1 else None)
+                        cp=ContextParallel(mesh.cp, cfg.parallel.cp_comm) if layout.cp > 1 else None,
+                        reset_position_ids=cfg.data.reset_position_ids)
         self.chunks = build_chunks(m, ctx, layout.pp, layout.virtual_stages, mesh.pp_rank, cfg.train.seed,
                                    mesh.device)
         self.params: Dict[str, torch.nn.Parameter] = dict(named_parameters(self.chunks))
@@ -88,7 +89,8 @@ class Engine:
         self.moe = MoeTracker(cfg, mesh, self.chunks)
         seq = m.seq_len // layout.cp  # a rank's two chunks of each sequence under context parallelism
         seq = seq // layout.tp if mesh.sequence_parallel else seq
-        self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model))
+        self.runner = PipelineRunner(mesh, self.chunks, (seq, cfg.train.micro_batch_size, m.d_model),
+                                     documents=cfg.data.document_mask)
         self.lr_schedule = LRSchedule(cfg.train)
         if cfg.train.optimizer == "adafactor" and mesh.rank == 0:  # what its relative step is, and why
             print(adafactor_line(cfg), flush=True)

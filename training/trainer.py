@@ -59,7 +59,8 @@ def check_data(cfg: Config, seed_names: Optional[List[str]] = None) -> Tuple[Sam
                         f"{cfg.model.vocab_size}")
     return build_datasets(list(cfg.data.paths), list(cfg.data.weights) if cfg.data.weights else None,
                           list(cfg.data.split), cfg.model.seq_len, cfg.train.seed, vocab_size=tok.vocab_size,
-                          seed_names=seed_names, tokenizer=tok)
+                          seed_names=seed_names, tokenizer=tok,
+                          document_eod=tok.eod_id if cfg.data.document_mask else None)
 
 
 def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> Callable[[int], tuple]:
@@ -68,10 +69,11 @@ def batch_source(ds: Sampleable, first_sample: int, cfg: Config, mesh: Mesh) -> 
     micro, layout = cfg.train.micro_batch_size, mesh.layout
     base = first_sample + mesh.batch_rank * (cfg.train.global_batch_size // layout.batch_shards)
     spans = cp_spans(cfg.model.seq_len, layout.cp, mesh.cp_rank) if layout.cp > 1 else None
+    eod = ds.document_eod if cfg.data.document_mask else None  # with document masks, their ids come third
 
     def get(mb: int):
-        tokens, labels = get_batch(ds, range(base + mb * micro, base + (mb + 1) * micro), spans)
-        return tokens.to(mesh.device, non_blocking=True), labels.to(mesh.device, non_blocking=True)
+        batch = get_batch(ds, range(base + mb * micro, base + (mb + 1) * micro), spans, eod)
+        return tuple(t.to(mesh.device, non_blocking=True) for t in batch)
 
     return get
 
