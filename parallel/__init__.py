@@ -6,7 +6,7 @@ its own layer or below, and the graph has no cycles):
   config/, kernels/, data/         schema and validation; quantization kernels; tokenizers and datasets
   parallel/ primitives              launch, layout, mesh, comm, random, schedule, pipeline
   fp8/ numerics                     formats, scaling, FP8 linear, FP8 gradient communication, FP8 AdamW
-  parallel/ layers                  tensor_parallel, cross_entropy, optim_rules, cpu_gemm, expert_parallel, context
+  parallel/ layers                  tensor_parallel, cross_entropy, optim_rules, cpu_gemm, expert_parallel, context, ulysses
   model/                            the GPT built from those layers
   parallel/ strategies, accounting  data_parallel (stage 0), zero/ (1-3, ZeRO++), fp8/zero.py, volume
   training/                         engine, loop, checkpoints, metrics, memory estimate
@@ -31,6 +31,7 @@ What lives here:
     cpu_gemm.py        16-bit linears and attention in fp32 on CPUs without bf16/fp16 instructions (50x there)
     expert_parallel.py expert parallelism's token exchange: the dispatch and combine all-to-alls of MoE layers
     context.py         context parallelism's attention: ring (p2p) and all-gather forms, log-sum-exp merge
+    ulysses.py         context parallelism's all-to-all form (DeepSpeed-Ulysses): heads scattered, sequence gathered
     context_mask.py    document masks under CP: each attention pair's slice of the mask, the empty pairs skipped
   strategies and accounting (may also import model/: units, tied embeddings and parameter counts need shapes)
     data_parallel.py   ZeRO stage 0: bucketed all-reduce overlapped with the last backward

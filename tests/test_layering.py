@@ -30,9 +30,9 @@ LAYERS: List[Tuple[str, List[str]]] = [
      ["fp8.format", "fp8.segments", "fp8.scaling", "fp8.linear", "fp8.experts", "fp8.grad_comm", "fp8.adam",
       "fp8.device"]),
     ("parallel layers and shared gradient rules: TP/SP linears, vocab-parallel cross entropy, optimizer rules, "
-     "16-bit CPU GEMMs, the MoE token exchange, context-parallel attention",
+     "16-bit CPU GEMMs, the MoE token exchange, context-parallel attention (ring, all-gather, all-to-all)",
      ["parallel.tensor_parallel", "parallel.cross_entropy", "parallel.optim_rules", "parallel.cpu_gemm",
-      "parallel.expert_parallel", "parallel.context", "parallel.context_mask", "optimizers"]),
+      "parallel.expert_parallel", "parallel.context", "parallel.ulysses", "parallel.context_mask", "optimizers"]),
     ("model: the GPT from parallel-aware layers, its FLOPs, Hugging Face mapping", ["model"]),
     ("data-parallel strategies and accounting: stage 0, ZeRO 1-3 and ZeRO++, FP8-LM's ZeRO, analytic bytes",
      ["parallel.data_parallel", "parallel.zero", "fp8.zero", "fp8.zero_unit", "fp8.zero_checkpoint",
