@@ -10,10 +10,28 @@ import typing
 from typing import List, Optional
 
 import yaml
-from omegaconf import OmegaConf
+from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
 from config.schema import CHOICES, MAX_CONFIG_BYTES, Config, ConfigError
+
+
+ALIASES = {"checkpoint.async": "checkpoint.async_save"}
+"""Keys accepted under another name: ``async`` is a Python keyword, so the field is ``async_save``."""
+
+
+def _aliases(layer) -> None:
+    """Rename each alias in one layer (a YAML file or one override) to its field; both in one layer is an error."""
+    for alias, key in ALIASES.items():
+        section, _, name = alias.rpartition(".")
+        node = OmegaConf.select(layer, section)
+        if node is None or not isinstance(node, DictConfig) or name not in node:
+            continue
+        if key.rpartition(".")[2] in node:
+            raise ConfigError(f"{alias} and {key} are the same setting: give one of them")
+        value = node[name]
+        del node[name]
+        OmegaConf.update(layer, key, value)
 
 
 def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] = None) -> Config:
@@ -47,6 +65,8 @@ def load_config(yaml_path: Optional[str] = None, overrides: Optional[List[str]] 
                 layers.append(layer)
         if yaml_path is not None:
             _string_booleans(layers[0], yaml_path)
+        for layer in layers:
+            _aliases(layer)
         merged = OmegaConf.merge(base, *layers)
         cfg = OmegaConf.to_object(merged)
     except FileNotFoundError as e:

@@ -393,3 +393,18 @@ def test_yaml_booleans_in_string_settings(tmp_path: Path) -> None:
     (tmp_path / "b.yaml").write_text("precision: no\n")
     with pytest.raises(ConfigError, match=r"b\.yaml: precision is a string but YAML read its value as the boolean"):
         load_config(str(tmp_path / "b.yaml"))
+
+
+def test_checkpoint_async_is_an_alias_of_async_save(tmp_path):
+    """``checkpoint.async`` (the issue's and torchtitan's spelling; a Python keyword, so not a field name) sets
+    ``checkpoint.async_save``, in an override and in a YAML file; both in one file is an error naming both."""
+    from config import ConfigError, load_config
+
+    assert load_config(None, ["checkpoint.async=true"]).checkpoint.async_save is True
+    assert load_config(None, []).checkpoint.async_save is False
+    f = tmp_path / "c.yaml"
+    f.write_text("checkpoint:\n  async: true\n")
+    assert load_config(str(f), []).checkpoint.async_save is True
+    f.write_text("checkpoint:\n  async: true\n  async_save: false\n")
+    with pytest.raises(ConfigError, match="checkpoint.async and checkpoint.async_save are the same setting"):
+        load_config(str(f), [])
