@@ -90,6 +90,16 @@ SCRIPTS: Dict[str, Dict[str, List[str]]] = {
         "unknown_preset": ["--presets", "!no_such_preset"],
         "malformed_override": ["!" + MALFORMED_OVERRIDE, "--presets", "tiny"],
     },
+    "bench_goodput.py": {
+        "missing": ["--workdir", "!{binary}/runs"],
+        "wrong_kind": ["--json", "!{dir}"],
+        "binary": ["!{binary}"],
+        "malformed": ["!" + MALFORMED_OVERRIDE],
+        "unknown_key": ["model.no_such_key=1", "?model.no_such_key"],
+        "steps_1": ["!--steps", "1"],
+        "mtbf_0": ["!--mtbf-minutes", "0"],
+        "unknown_mode": ["--modes", "!sync,nope"],
+    },
     "bench_layouts.py": {
         "missing": ["!{absent}"],
         "wrong_kind": ["!{dir}"],
