@@ -147,9 +147,6 @@ def validate_config(cfg: Config) -> None:
          f"data.split={cfg.data.split} must be two non-negative fractions [train, valid] with train > 0")
     need(cfg.data.document_mask or not cfg.data.reset_position_ids,
          "data.reset_position_ids=true restarts positions at each document: it needs data.document_mask=true")
-    need(not (cfg.data.document_mask and cfg.parallel.cp > 1 and cfg.parallel.cp_comm == "a2a"),
-         "data.document_mask=true runs under context parallelism's p2p and all_gather forms, not "
-         "parallel.cp_comm=a2a: set parallel.cp_comm=p2p or all_gather")
     z = cfg.zero
     need(z.stage in (0, 1, 2, 3), f"zero.stage={z.stage} is not one of [0, 1, 2, 3]")
     need(z.hpz_size >= 1, f"zero.hpz_size={z.hpz_size} must be >= 1")

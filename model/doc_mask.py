@@ -7,10 +7,11 @@ of EOD tokens before it (``data/gpt_dataset.py document_ids``; the EOD token end
 next document's first token, is kept as without masking). ``DocumentMask.build`` derives everything the layers need
 from it once per micro-batch and model chunk (``GPTChunk.forward``), before the first layer; every layer reads it:
 
-- ``dense``: without context parallelism, the boolean mask ``[b, 1, S, S]`` (docs[q] == docs[k] and q >= k) for
+- ``dense``: without context parallelism (and under its all-to-all form, ``parallel/ulysses.py``, which attends over
+  the whole sequence), the boolean mask ``[b, 1, S, S]`` (docs[q] == docs[k] and q >= k) for
   SDPA. On CPU, SDPA runs it in the same flash kernel as the causal mask, at the same speed at the default shapes
   (torch 2.13 has no FlexAttention backward on CPU; docs/data.md has the measurements);
-- ``ring``: with context parallelism, each attention pair's slice and the pairs to skip
+- ``ring``: with context parallelism's p2p and all_gather forms, each attention pair's slice and the pairs to skip
   (``parallel/context_mask.py``);
 - ``rope``: with ``reset_position_ids``, the rotary cos and sin ``[s, b, 1, head_dim]`` of this rank's tokens at
   their positions inside their documents (position - the document's first position).
@@ -63,6 +64,7 @@ class DocumentMask:
             angles = pos.t().to(torch.float64)[..., None] * frequencies.to(docs.device)  # [s, b, head_dim / 2]
             angles = torch.cat([angles, angles], dim=-1)[:, :, None, :]
             rope = (angles.cos().float(), angles.sin().float())
-        if cp is not None:
+        if cp is not None and cp.comm != "a2a":
             return DocumentMask(ring=ContextMask(docs, cp.size, cp.group.rank), rope=rope)
+        # without CP, and under the all-to-all form, whose attention runs over the whole sequence in global order
         return DocumentMask(dense=dense_mask(docs), rope=rope)

@@ -197,7 +197,8 @@ class Attention(nn.Module):
         mask = {"attn_mask": docs.dense} if docs is not None else {"is_causal": True}
         p = self.dropout if self.training else 0.0
         if self.ctx.cp is not None:  # the sequence's other chunks live on the other CP ranks (no dropout: config)
-            o = context_attention(q, k, v, self.ctx.cp, mask=docs.ring if docs is not None else None)
+            o = context_attention(q, k, v, self.ctx.cp, mask=None if docs is None else
+                                  docs.dense if self.ctx.cp.comm == "a2a" else docs.ring)
         elif p > 0:  # the per-TP-rank stream (its swap is not traceable: see forked)
             o = forked(self.ctx.rng, attention, q, k, v, dropout_p=p, **mask, **gqa)
         else:

@@ -118,9 +118,10 @@ def _global_order(per_rank: List[torch.Tensor], dim: int) -> torch.Tensor:
 
 @torch.compiler.disable
 def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: ContextParallel,
-                      scale: Optional[float] = None, mask: Optional[ContextMask] = None) -> torch.Tensor:
+                      scale: Optional[float] = None, mask=None) -> torch.Tensor:
     """Causal attention over global positions of this rank's two chunks (module docstring); with ``mask``, a
-    micro-batch's document mask (``parallel/context_mask.py``): its pairs instead, the empty ones skipped.
+    micro-batch's document mask: for p2p and all_gather a ``ContextMask`` (``parallel/context_mask.py``: its pairs
+    instead, the empty ones skipped), for a2a the whole sequence's boolean mask ``[b, 1, S, S]``.
 
     ``q`` ``[b, heads, 2C, d]``, ``k`` and ``v`` ``[b, kv_heads, 2C, d]`` with heads a multiple of kv_heads (any
     strides). Returns ``[b, heads, 2C, d]`` in q's dtype: the full causal SDPA over the whole sequence (every
@@ -137,17 +138,17 @@ def context_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, cp: Con
         q, k, v = (t.to(torch.get_autocast_dtype(device)) for t in (q, k, v))
     with torch.autocast(device, enabled=False):
         if cp.comm == "a2a":
-            if mask is not None:
-                raise ValueError("document masks run under the p2p and all_gather forms, not a2a")
-            return _ulysses(q, k, v, cp, scale)
+            if mask is not None and not isinstance(mask, torch.Tensor):
+                raise TypeError("the a2a form takes the whole sequence's document mask (model/doc_mask.py dense)")
+            return _ulysses(q, k, v, cp, scale, mask)
         form = _Ring if cp.comm == "p2p" else _AllGather
         return form.apply(q, k, v, cp, scale, mask)
 
 
-def _ulysses(q, k, v, cp: ContextParallel, scale):
+def _ulysses(q, k, v, cp: ContextParallel, scale, mask: Optional[torch.Tensor]):
     from parallel.ulysses import ulysses_attention
 
-    return ulysses_attention(q, k, v, cp.group, [list(cp_chunks(cp.size, r)) for r in range(cp.size)], scale)
+    return ulysses_attention(q, k, v, cp.group, [list(cp_chunks(cp.size, r)) for r in range(cp.size)], scale, mask)
 
 
 class _Kernels:

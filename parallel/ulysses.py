@@ -95,11 +95,13 @@ def _send(x: torch.Tensor, group: Group, dim: int, starts: List[int], lengths: L
 
 
 def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: Group, chunk_ids: List[List[int]],
-                      scale: Optional[float] = None) -> torch.Tensor:
+                      scale: Optional[float] = None, mask: Optional[torch.Tensor] = None) -> torch.Tensor:
     """Causal attention over the whole sequence for this rank's two chunks, by all-to-all (module docstring).
 
     ``q`` ``[b, H, 2C, d]``, ``k`` and ``v`` ``[b, KV, 2C, d]`` (H a multiple of KV and of the group's size);
-    ``chunk_ids[r]``: the global chunk indices rank r holds, in its local order. Returns ``[b, H, 2C, d]``."""
+    ``chunk_ids[r]``: the global chunk indices rank r holds, in its local order. ``mask``: a boolean ``[b, 1, S, S]``
+    over the whole sequence in global order (True: may attend; a document mask, model/doc_mask.py) in place of the
+    causal one. Returns ``[b, H, 2C, d]``."""
     cp, r = group.size, group.rank
     heads, length = q.shape[1], q.shape[2]
     kv_heads = k.shape[1]
@@ -123,11 +125,12 @@ def ulysses_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, group: 
     first, local = kv[r]
     group_size = heads // kv_heads
     owner = [(r * per + i) // group_size - first for i in range(per)]
+    masking = {"is_causal": True} if mask is None else {"attn_mask": mask}
     if per % local == 0 and owner == [i // (per // local) for i in range(per)]:  # SDPA's own GQA mapping
-        o = cpu_attention(qs, ks, vs, is_causal=True, scale=scale, enable_gqa=per != local)
+        o = cpu_attention(qs, ks, vs, scale=scale, enable_gqa=per != local, **masking)
     else:  # this rank's query heads straddle KV heads unevenly: one KV head per query head, by index
         pick = torch.tensor(owner, device=q.device)
-        o = cpu_attention(qs, ks.index_select(1, pick), vs.index_select(1, pick), is_causal=True, scale=scale)
+        o = cpu_attention(qs, ks.index_select(1, pick), vs.index_select(1, pick), scale=scale, **masking)
     # back to member order, then each member's two chunks of this rank's heads go home
     inverse = torch.empty_like(index)
     inverse[index] = torch.arange(index.numel(), device=index.device)

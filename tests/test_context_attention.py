@@ -124,4 +124,4 @@ def test_chunks_and_positions_are_megatron_load_balanced():
     with pytest.raises(ValueError, match="2 x cp = 4"):
         ranks[0].positions(10)
     with pytest.raises(ValueError, match="comm must be one of"):
-        ContextParallel(ranks[0].group, "a2a")
+        ContextParallel(ranks[0].group, "ulysses")

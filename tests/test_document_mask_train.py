@@ -32,6 +32,8 @@ LAYOUTS = {  # name: (world, overrides)
     "cp4_all_gather_gqa": (4, ["parallel.cp=4", "parallel.cp_comm=all_gather", *GQA]),
     "cp2_all_gather_full_recompute": (2, ["parallel.cp=2", "parallel.cp_comm=all_gather",
                                           "model.activation_checkpointing=full"]),
+    "cp4_a2a": (4, ["parallel.cp=4", "parallel.cp_comm=a2a"]),
+    "cp2_a2a_gqa_reset": (2, ["parallel.cp=2", "parallel.cp_comm=a2a", *GQA, "data.reset_position_ids=true"]),
     "tp2_sp_gqa": (2, ["parallel.tp=2", "parallel.sequence_parallel=true", *GQA]),
     "pp2_vp2": (2, ["parallel.pp=2", "parallel.virtual_stages=2"]),
     "dp2_zero3": (2, ["zero.stage=3"]),

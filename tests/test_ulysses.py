@@ -66,3 +66,42 @@ def test_all_to_all_attention_equals_full_attention(cp):
             assert need == [kv_heads_of(j, cp, heads, kv_heads)[1] for j in range(cp)]
             assert r["forward"] == n * (2 * (cp - 1) * per + 2 * (sum(need) - need[rank]))
             assert r["backward"] == n * (2 * (cp - 1) * per + 2 * (cp - 1) * need[rank])
+
+
+def _masked_worker():
+    """tests/test_document_mask.py's batches and float64 reference, through the a2a form with the whole
+    sequence's document mask (model/doc_mask.py: DocumentMask under a2a carries the dense mask)."""
+    import torch.distributed as dist
+
+    from data.gpt_dataset import document_ids
+    from model.doc_mask import DocumentMask
+    from parallel.context import ContextParallel, context_attention
+    from tests.test_document_mask import EOD, _full as _masked_full, _reference as _masked_reference
+    from tests.test_document_mask import _reference_mask, _tokens
+
+    size, rank = dist.get_world_size(), dist.get_rank()
+    group = Group("cp", dist.group.WORLD, list(range(size)), rank, "intra", Ledger())
+    cp = ContextParallel(group, "a2a")
+    out = {}
+    for batch, heads, kv_heads, dtype in (("designed", 4, 2, torch.float64), ("random", 4, 1, torch.float64),
+                                          ("designed", 4, 4, torch.bfloat16)):
+        tokens = _tokens(batch)
+        q, k, v, dout = _masked_full(heads, kv_heads)
+        want = [local_chunks(t, size, rank, dim=2)
+                for t in _masked_reference(q, k, v, dout, _reference_mask(tokens), dtype)]
+        mask = DocumentMask.build(document_ids(tokens, EOD), cp)
+        assert mask.ring is None and mask.dense is not None
+        mine = [local_chunks(t, size, rank, dim=2).to(dtype).requires_grad_() for t in (q, k, v)]
+        o = context_attention(*mine, cp, mask=mask.dense)
+        o.backward(local_chunks(dout, size, rank, dim=2).to(dtype))
+        out[batch, heads, kv_heads, dtype] = {"got": [o.detach()] + [t.grad for t in mine], "want": want}
+    return out
+
+
+@pytest.mark.parametrize("cp", [2, 4])
+def test_document_masked_all_to_all_attention_equals_float64_reference(cp):
+    from tests.test_document_mask import _check
+
+    for rank, result in enumerate(run_world(_masked_worker, cp)):
+        for (batch, heads, kv_heads, dtype), r in result.items():
+            _check(r["got"], r["want"], dtype, f"a2a cp={cp} rank {rank} {batch} heads={heads} kv={kv_heads} {dtype}")
