@@ -28,8 +28,10 @@ directory while a mode runs; a resumed run drops the records of the steps it red
   less step s+1's ``step_time_s``, less the median of that difference over the steps that did not save (logging and
   the stop check): what the save held the loop (the whole write when synchronous; the CPU copy and any wait for the
   previous write when asynchronous). The save at the end of the run has no next step and is not in the median;
-* the fault-free step time: the median ``step_time_s`` of the ``sync`` mode's steps, the first step of each attempt
-  left out (no save is ever in flight in a step there); the modes given without ``sync``: of all their steps;
+* the fault-free step time, one for all modes (the machine's load drifts from one mode to the next): the median
+  ``step_time_s`` over every mode's steps with no write in flight (under ``async_save``: no step overlapping the time
+  from a save's temporary directory appearing to its published one appearing), the first step of each attempt left
+  out; a mode's own median over all its steps is the table's ``step s``;
 * the wall time lost per fault: from the time progress reached step H (the highest step logged before the kill) to
   the first step above H logged after it, less one fault-free step (that step's own time): the part of the step in
   flight that was lost, the restart, and the steps redone since the checkpoint. A fault before step 1 counts from
@@ -147,12 +149,25 @@ def save_stalls(records: Iterable[dict], saves: Dict[int, float]) -> Tuple[Dict[
     return {s: max(0.0, x - base) for s, x in sorted(saved.items())}, base
 
 
-def reference_step_s(records: Iterable[dict]) -> Optional[float]:
-    """The median step_time_s of the steps that are not the first of their attempt."""
+def clean_steps(records: Iterable[dict], writes: Sequence[Tuple[float, float]] = ()) -> List[float]:
+    """step_time_s of the steps that are not the first of their attempt and overlap no (begin, end) of ``writes``
+    (the wall times a write was in flight)."""
     by_attempt: Dict[int, List[dict]] = {}
     for r in records:
         by_attempt.setdefault(r.get("restarts", 0), []).append(r)
-    times = [r["step_time_s"] for rs in by_attempt.values() for r in sorted(rs, key=lambda r: r["step"])[1:]]
+    return [r["step_time_s"] for rs in by_attempt.values() for r in sorted(rs, key=lambda r: r["step"])[1:]
+            if not any(b < r["time"] and r["time"] - r["step_time_s"] < e for b, e in writes)]
+
+
+def write_windows(saves: Dict[int, float], published: Dict[int, float]) -> List[Tuple[float, float]]:
+    """(begin, end) of each write seen published: its checkpoint directory first seen (temporary or not) to its
+    published directory first seen."""
+    return [(saves[s], published[s]) for s in published if s in saves]
+
+
+def reference_step_s(records: Iterable[dict], writes: Sequence[Tuple[float, float]] = ()) -> Optional[float]:
+    """The median of :func:`clean_steps`."""
+    times = clean_steps(records, writes)
     return statistics.median(times) if times else None
 
 
@@ -254,6 +269,7 @@ def run_mode(name: str, overrides: List[str], faults: List[Fault], run_dir: Path
     env["OMP_NUM_THREADS"] = str(threads)
     seen: Dict[Tuple[int, int], dict] = {}
     saves: Dict[int, float] = {}
+    published: Dict[int, float] = {}
     kills: List[dict] = []
     pending, hit, capped = list(faults), set(), False
 
@@ -268,6 +284,8 @@ def run_mode(name: str, overrides: List[str], faults: List[Fault], run_dir: Path
                 m = re.fullmatch(r"\.?step_(\d+)(\.tmp)?", p.name)
                 if m:
                     saves.setdefault(int(m.group(1)), time.time())
+                    if not m.group(2):
+                        published.setdefault(int(m.group(1)), time.time())
         except OSError:
             pass
 
@@ -306,7 +324,7 @@ def run_mode(name: str, overrides: List[str], faults: List[Fault], run_dir: Path
             pass
     text = log_path.read_text(errors="replace")
     return {"name": name, "start": start, "end": end, "records": sorted(seen.values(), key=lambda r: r["time"]),
-            "saves": saves, "kills": kills, "exit_code": proc.returncode, "capped": capped, "log": text,
+            "saves": saves, "published": published, "kills": kills, "exit_code": proc.returncode, "capped": capped, "log": text,
             "overrides": overrides}
 
 
@@ -374,8 +392,9 @@ def main() -> None:
             print(f"[bench_goodput] {m}: exit {r['exit_code']} after {r['end'] - r['start']:.0f} s, "
                   f"{len(r['kills'])} fault(s)", flush=True)
             raw.append(r)
-    reference = next((x for x in raw if x["name"] == "sync"), None)
-    step_s = reference_step_s(reference["records"] if reference else [rec for x in raw for rec in x["records"]])
+    clean = [t for x in raw for t in clean_steps(x["records"], [] if x["name"] == "sync" else write_windows(
+        x["saves"], x["published"]))]
+    step_s = statistics.median(clean) if clean else None
     if step_s is None:
         raise InputError("no mode logged two steps in one attempt: nothing to measure (see the runs' logs)")
     rows = [summarize(x, step_s) for x in raw]

@@ -93,6 +93,18 @@ def test_goodput_and_a_mode_row():
     assert "| sync | 20 |" in bg.table([row])
 
 
+def test_the_fault_free_step_leaves_out_first_steps_and_steps_with_a_write_in_flight():
+    records = run_records(range(1, 11), overhead=0.0)  # step s ends at 100 + 2 s
+    records[0] = {**records[0], "step_time_s": 9.0}  # the first step of the attempt: warm-up
+    for r in records[4:6]:  # steps 5 and 6, during the write of step 4's checkpoint
+        r["step_time_s"] = 3.0
+    saves, published = {4: 108.2, 8: 116.1}, {4: 111.9}  # step 8's write never published: no window
+    assert bg.write_windows(saves, published) == [(108.2, 111.9)]
+    assert bg.clean_steps(records, bg.write_windows(saves, published)) == [STEP] * 7
+    assert bg.reference_step_s(records) == pytest.approx(STEP)  # a mode's own median: every step but the first
+    assert sorted(bg.clean_steps(records)) == [STEP] * 7 + [3.0, 3.0]
+
+
 def test_the_fault_schedule_is_seeded_and_exponential():
     a = bg.schedule(3, 180.0, 1e6)
     assert a == bg.schedule(3, 180.0, 1e6) and a != bg.schedule(4, 180.0, 1e6)
