@@ -24,12 +24,12 @@ and the median step time of each after 5 warm-up steps; their ratio against the 
 if missed).
 
 **Balance under CP** (unless ``--no-kernels``): on the corpus' first training samples (no training), the attention
-work each CP rank's ring does with the masks (query x key entries of the pairs it runs; a masked pair counts
-whole, a dense diagonal one half), as a share of the dense ring's, and the busiest rank's work over the mean.
+work each CP rank's ring does with the masks (query x key entries of the pairs it runs, a diagonal pair's half:
+the kernel skips its upper blocks), as a share of the dense ring's, and the busiest rank's work over the mean.
 
 **Kernels** (unless ``--no-kernels``): one attention call at the default model's shapes (micro-batch 8, 4 heads,
-128 tokens, head_dim 32, fp32) with a random document mask (EODs as often as in the corpus' samples and 10x as
-often): SDPA causal and SDPA with the boolean mask, forward + backward; FlexAttention with a block mask, forward
+128 tokens, head_dim 32, fp32) with a random document mask (EOD rates 0.002 and 0.02 a token; the corpus has
+0.0035): SDPA causal and SDPA with the boolean mask, forward + backward; FlexAttention with a block mask, forward
 only (torch 2.13 has no FlexAttention backward on CPU), eager and ``torch.compile``-d; median of 7 repeats of 10
 calls each.
 """
