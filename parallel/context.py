@@ -176,8 +176,9 @@ class _Kernels:
         """The pair's additive mask (0 / -inf) ``[b, 1 or heads, Lq, Lk]`` as the kernel takes it, or None."""
         if mask is None:
             return None
-        bias = mask.bias(self.work)
-        return bias.expand(-1, q.shape[1], -1, -1) if q.is_cuda else bias
+        if q.is_cuda:  # the memory-efficient kernel: rows aligned to 16 elements, a head dimension (expanded)
+            return mask.bias(self.work, align=16).expand(-1, q.shape[1], -1, -1)
+        return mask.bias(self.work)
 
     def forward(self, q, k, v, causal: bool, mask: Optional[PairMask] = None) -> Tuple[torch.Tensor, torch.Tensor]:
         """The pair's output and log-sum-exp ``[b, heads, Lq]``, in the accumulator dtype; the rows that see no key

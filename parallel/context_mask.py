@@ -37,14 +37,17 @@ class PairMask:
         self.visible = visible
         seen = visible.any(-1)
         self.rows = None if bool(seen.all()) else seen
-        self._bias: Dict[torch.dtype, torch.Tensor] = {}
+        self._bias: Dict[Tuple[torch.dtype, int], torch.Tensor] = {}
 
-    def bias(self, dtype: torch.dtype) -> torch.Tensor:
-        """The additive mask in ``dtype`` (0 where visible, -inf elsewhere), made once per micro-batch and dtype."""
-        if dtype not in self._bias:
-            zeros = torch.zeros(self.visible.shape, dtype=dtype, device=self.visible.device)
-            self._bias[dtype] = zeros.masked_fill_(~self.visible, float("-inf"))
-        return self._bias[dtype]
+    def bias(self, dtype: torch.dtype, align: int = 1) -> torch.Tensor:
+        """The additive mask in ``dtype`` (0 where visible, -inf elsewhere), made once per micro-batch and dtype;
+        ``align``: its rows start at multiples of this many elements (CUDA's memory-efficient kernel needs 16, which
+        SDPA's own entry point pads to, as here)."""
+        if (dtype, align) not in self._bias:
+            shape, n = self.visible.shape, self.visible.shape[-1]
+            rows = torch.zeros((*shape[:-1], n + (-n % align)), dtype=dtype, device=self.visible.device)
+            self._bias[dtype, align] = rows[..., :n].masked_fill_(~self.visible, float("-inf"))
+        return self._bias[dtype, align]
 
 
 Pair = Tuple[int, int, int, bool, Optional[PairMask]]
