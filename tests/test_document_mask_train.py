@@ -40,6 +40,7 @@ LAYOUTS = {  # name: (world, overrides)
     "cp2_pp2_reset": (4, ["parallel.cp=2", "parallel.pp=2", "data.reset_position_ids=true"]),
     "tp2_reset": (2, ["parallel.tp=2", "data.reset_position_ids=true"]),
     "moe_dp2_ep2": (2, [*MOE, "parallel.ep=2"]),
+    "moe_cp2_ep2_a2a": (4, [*MOE, "parallel.cp=2", "parallel.ep=2", "parallel.cp_comm=a2a"]),
 }
 MODEL_KEYS = ("model.", "precision", "data.", "train.seed")
 
