@@ -345,3 +345,47 @@ def test_auto_interval_saves_at_the_steps_it_says(tmp_path, capsys, mtbf, saved)
     steps = int(lines[0].split("every ")[1].split()[0])
     assert steps == 1 if saved[1] == 3 else steps > 4, lines
     assert sorted(int(p.name[5:]) for p in (run_dir / "checkpoints").glob("step_*")) == saved
+
+
+def test_auto_interval_counts_the_write_beside_the_steps(monkeypatch):
+    """interval=auto under async_save: a checkpoint's cost is its stall plus what its write cost the steps beside
+    it (their time above the median step without a write); Young/Daly then spaces the saves by that cost."""
+    import training.async_checkpoint as ac
+
+    auto = AutoInterval(mtbf_hours=1.0)
+    line = auto.update(0.2, 1.0, 7.8)  # cost 8 s: sqrt(2 x 8 x 3600) = 240 s = 240 steps of 1 s
+    assert auto.steps == 240 and "save cost 8 s = stall 0.2 s + the write's 7.8 s" in line
+    saver = ac.Saver.__new__(ac.Saver)  # the step accounting alone (no mesh: poll stubbed)
+    saver.__dict__.update(_last=None, _step_times=[], _writing=False, _clean=[], write_overhead_s=0.0, auto=auto,
+                          next_save=None, every=0, _thread=None)
+    saver.poll = lambda: None
+    clock = iter([0.0, 1.0, 2.0, 3.0, 4.5, 6.5, 7.5])
+    monkeypatch.setattr(ac.time, "perf_counter", lambda: next(clock))
+    for step in range(4):  # steps of 1 s, no write
+        saver.due(step)
+    saver._thread, saver._writing = object(), True  # a write starts beside the step now running
+    saver.due(4)  # that step took 1.5 s: 0.5 s above the clean median
+    saver.due(5)  # still writing: 2.0 s, 1.0 s above
+    saver._thread = None  # the write finished during this step (poll saw it)
+    saver.due(6)
+    assert saver.write_overhead_s == pytest.approx(1.5) and saver._step_times == [1.0, 1.0, 1.0]
+
+
+def test_a_lost_peer_abandons_the_write_in_flight():
+    """After a failed collective (a peer died) the writers' own collectives wait for the same dead rank: leaving
+    must not join the writer (measured: 30 s of torchrun's grace lost per fault in scripts/bench_goodput.py)."""
+    import threading
+
+    import training.async_checkpoint as ac
+
+    release = threading.Event()
+    stuck = threading.Thread(target=release.wait, daemon=True)
+    stuck.start()
+    saver = ac.Saver.__new__(ac.Saver)
+    saver._thread = stuck
+    saver.close(peer_lost=True)  # returns at once
+    assert saver._thread is None and stuck.is_alive()
+    release.set()
+    saver._thread = stuck
+    saver.close()  # any other error: the write is let finish
+    assert not stuck.is_alive()

@@ -87,6 +87,10 @@ class Staging:
         return out
 
 
+CLEAN_STEPS = 32
+"""Steps with no write in flight kept as the baseline of a write's overhead (``Saver.write_overhead_s``)."""
+
+
 class Saver:
     """The loop's checkpoint calls: ``due(step)`` once a step, ``save`` when due and at exit, ``finish`` at the end
     (waits for a write in flight, raising its failure), ``close`` on the way out after an error."""
@@ -107,6 +111,14 @@ class Saver:
         self._outcome: Optional[str] = None
         self._last: Optional[float] = None
         self._step_times: List[float] = []
+        """Since the last save: the times of the steps with no write in flight (interval=auto's step time)."""
+        self._writing = False
+        """Whether a write was in flight when the step now running began."""
+        self._clean: List[float] = []
+        """The last ``CLEAN_STEPS`` step times with no write in flight: the baseline a write's overhead is taken on."""
+        self.write_overhead_s = 0.0
+        """What the writes since the last save cost the steps they ran beside (their time above the clean median):
+        with the stall, a checkpoint's whole cost to the training (interval=auto's C)."""
 
     # -- the loop's calls -----------------------------------------------------------------------------------------
     def due(self, step: int) -> bool:
@@ -114,11 +126,18 @@ class Saver:
         whether to save now."""
         now = time.perf_counter()
         if self._last is not None:
-            self._step_times.append(now - self._last)
+            took = now - self._last
+            if not self._writing:
+                self._step_times.append(took)
+                self._clean = (self._clean + [took])[-CLEAN_STEPS:]
+            elif self._clean:  # a step beside a write: what it took above a clean one is the write's cost
+                self.write_overhead_s += max(took - statistics.median(self._clean), 0.0)
         self._last = now
         self.poll()
-        if self.auto is not None:
-            return self._step_times != [] and (self.next_save is None or step >= self.next_save)
+        self._writing = self._thread is not None
+        if self.auto is not None:  # the first save once a step time is known
+            return self._last is not None and (self._clean != [] or self._step_times != []) and (
+                self.next_save is None or step >= self.next_save)
         return bool(self.every) and step % self.every == 0
 
     def save(self, step: int, consumed_samples: int, protect: Optional[Path] = None) -> Path:
@@ -131,6 +150,7 @@ class Saver:
             self.wait()
             job = self.ckpt.stage(step, consumed_samples, protect, copy=self.staging)
             self._start(job)
+            self._writing = True  # the rest of this step runs beside the write
             path = job.final
         self.stall_s = time.perf_counter() - t0
         if self.auto is not None:
@@ -159,11 +179,14 @@ class Saver:
         """The run's end: its last save is published (or its failure raised) before the run says it stopped."""
         self.wait()
 
-    def close(self) -> None:
-        """Leaving after an error: a write in flight is let finish (or fail) first, its outcome dropped."""
-        if self._thread is not None:
+    def close(self, peer_lost: bool = False) -> None:
+        """Leaving after an error: a write in flight is let finish (or fail) first, its outcome dropped; not when a
+        peer was lost (``peer_lost``: the error was a failed collective), since the writers' own collectives wait
+        for the same dead rank: the write is abandoned (its temporary directory is removed by the next run, the
+        previous checkpoints and ``latest`` stay as they were) and the process leaves at once, for the restart."""
+        if self._thread is not None and not peer_lost:
             self._thread.join()
-            self._thread = None
+        self._thread = None
 
     # -- inside ---------------------------------------------------------------------------------------------------
     def _start(self, job: SaveJob) -> None:
@@ -202,8 +225,10 @@ class Saver:
         (a step with evaluation or a write in flight counts as it was); every rank saves at the step it names."""
         line = None
         if self.mesh.rank == 0:
-            step_time = statistics.median(self._step_times) if self._step_times else 0.0
-            line = self.auto.update(self.stall_s or 0.0, step_time)
+            step_times = self._step_times or self._clean
+            step_time = statistics.median(step_times) if step_times else 0.0
+            line = self.auto.update(self.stall_s or 0.0, step_time, self.write_overhead_s)
+        self.write_overhead_s = 0.0
         steps, line = comm.broadcast_object((self.auto.steps, line), 0, self.mesh.world)
         self.auto.steps = steps
         self.next_save = step + steps

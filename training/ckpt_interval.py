@@ -2,7 +2,9 @@
 
 With a mean time between failures M (``checkpoint.mtbf_hours``, of the whole job) and a checkpoint that costs the
 training C seconds (the measured save stall: what the loop waits for a save, the staging copy and any wait for the
-previous write under ``checkpoint.async_save``), the expected time lost per unit of time is C / T for the saves plus
+previous write under ``checkpoint.async_save``; plus, under async_save, what the write cost the steps it ran beside:
+their time above the median step without a write, ``Saver.write_overhead_s`` -- on a CPU the writer takes cores
+from the training, and a save every step or two would keep one always in flight), the expected time lost per unit of time is C / T for the saves plus
 T / (2 M) for the work redone after a failure (half an interval on average); it is least at Young's interval
 
     T = sqrt(2 C M)
@@ -36,14 +38,18 @@ class AutoInterval:
         """The interval chosen last (None: no save measured yet)."""
         self._said: Optional[int] = None
 
-    def update(self, save_stall_s: float, step_time_s: float) -> Optional[str]:
-        """Choose the interval from a save's stall and the step time; returns the line to print when it changed
-        materially (first choice, or more than ``CHANGE`` from the last said), else None."""
-        self.steps = young_daly_steps(save_stall_s, self.mtbf_s, step_time_s)
+    def update(self, save_stall_s: float, step_time_s: float, write_overhead_s: float = 0.0) -> Optional[str]:
+        """Choose the interval from a save's stall (plus, under async_save, the last write's overhead on the steps
+        beside it) and the step time; returns the line to print when it changed materially (first choice, or more
+        than ``CHANGE`` from the last said), else None."""
+        cost = max(save_stall_s, 0.0) + max(write_overhead_s, 0.0)
+        self.steps = young_daly_steps(cost, self.mtbf_s, step_time_s)
         if self._said is not None and abs(self.steps - self._said) <= CHANGE * self._said:
             return None
         self._said = self.steps
-        seconds = math.sqrt(2.0 * max(save_stall_s, 0.0) * self.mtbf_s)
-        return (f"[checkpoint] interval auto: every {self.steps} steps (Young/Daly: sqrt(2 x save stall "
-                f"{save_stall_s:.3g} s x MTBF {self.mtbf_s / 3600:g} h) = {seconds:.4g} s, over a step time of "
-                f"{step_time_s:.3g} s)")
+        seconds = math.sqrt(2.0 * cost * self.mtbf_s)
+        what = (f"save stall {save_stall_s:.3g} s" if not write_overhead_s else
+                f"save cost {cost:.3g} s = stall {save_stall_s:.3g} s + the write's {write_overhead_s:.3g} s on the "
+                "steps beside it")
+        return (f"[checkpoint] interval auto: every {self.steps} steps (Young/Daly: sqrt(2 x {what} x MTBF "
+                f"{self.mtbf_s / 3600:g} h) = {seconds:.4g} s, over a step time of {step_time_s:.3g} s)")

@@ -315,11 +315,16 @@ def _train(cfg, mesh, run_dir, ckpt_dir, train_ds, valid_ds, stop) -> Dict[str, 
               + (f", resumed from {start} at step {engine.step}" if start else ""), flush=True)
     saver = Saver(cfg, ckpt, mesh)  # when and how saves happen: interval or auto, synchronous or async_save
     goodput = Goodput(cfg, mesh, run_dir, engine.step, stop)  # restarts counted, stragglers and hangs named
+    failed: Optional[BaseException] = None
     try:
         return _loop(cfg, mesh, engine, saver, logger, train_ds, valid_ds, stop, start, consumed, run_dir, goodput)
+    except BaseException as e:
+        failed = e
+        raise
     finally:
         goodput.close()
-        saver.close()  # after an error: an asynchronous write in flight finishes first
+        # after an error an asynchronous write in flight finishes first, unless a peer is lost (it cannot)
+        saver.close(peer_lost=isinstance(failed, comm.CommError))
         logger.close()
 
 
