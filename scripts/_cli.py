@@ -24,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import subprocess
 import sys
 from pathlib import Path
 from typing import Callable, List, Optional, Sequence, Tuple
@@ -258,3 +259,20 @@ def json_line(line: bytes):
 def at_least(value: float, least: float, option: str) -> None:
     if value < least:
         raise InputError(f"{option} must be at least {least}, got {value}")
+
+
+def run_trainer(cmd: Sequence[str], name: str, cwd: Path, env: Optional[dict] = None) -> None:
+    """One trainer run of a benchmark or convergence script: train.py's bad input (exit code 2) becomes this
+    script's InputError (its one line, named by the run); any other failure ends the script with its stderr."""
+    p = subprocess.run(list(cmd), cwd=cwd, capture_output=True, text=True, env=env)
+    if p.returncode == 2:
+        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
+        raise InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
+    if p.returncode != 0:
+        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
+
+
+def metrics_records(run_dir: Path) -> List[dict]:
+    """A finished run's metrics.jsonl, one dict a line."""
+    return [json.loads(line) for line in (Path(run_dir) / "metrics.jsonl").read_text().splitlines()]
+

@@ -36,11 +36,9 @@ calls each.
 from __future__ import annotations
 
 import argparse
-import json
 import os
 import platform
 import statistics
-import subprocess
 import sys
 import tempfile
 import time
@@ -81,13 +79,8 @@ def check_input(args) -> None:
 def run(name: str, extra: list, args, out_dir: Path) -> dict:
     run_dir = out_dir / name
     cmd = [sys.executable, str(ROOT / "train.py"), *train_overrides(extra, args, run_dir)]
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True)
-    if p.returncode == 2:  # train.py's bad input (e.g. data without EOD): its one line
-        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-        raise _cli.InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _cli.run_trainer(cmd, name, ROOT)
+    records = _cli.metrics_records(run_dir)
     steps = [r for r in records if "loss" in r]
     timed = [r["step_time_s"] for r in steps if r["step"] > SKIP_STEPS] or [r["step_time_s"] for r in steps]
     return {"final": steps[-1]["loss"], "last": statistics.fmean(r["loss"] for r in steps[-LAST:]),

@@ -25,9 +25,7 @@ says how many single seeds held it too). A script, not a test: it takes minutes 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -85,13 +83,8 @@ def run(name: str, nproc: int, extra: list, args, out_dir: Path) -> dict:
                 if nproc > 1 else [sys.executable])
     cmd = [*launcher, str(ROOT / "train.py"), *train_overrides(extra, args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": str(max(1, (os.cpu_count() or 1) // nproc))}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if p.returncode == 2:  # train.py's bad input (e.g. a data path in the overrides): its one line
-        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-        raise _cli.InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _cli.run_trainer(cmd, name, ROOT, env)
+    records = _cli.metrics_records(run_dir)
     steps = [r for r in records if "loss" in r]
     losses = [r["loss"] for r in steps]
     tail = losses[-max(1, len(losses) // 10):]

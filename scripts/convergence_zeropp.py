@@ -31,9 +31,7 @@ a point: the row says how many single seeds held it too). A script, not a test: 
 from __future__ import annotations
 
 import argparse
-import json
 import os
-import subprocess
 import sys
 import tempfile
 from pathlib import Path
@@ -93,13 +91,8 @@ def run(name: str, extra: list, args, out_dir: Path) -> dict:
     cmd = [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node", "4",
            str(ROOT / "train.py"), *train_overrides(extra, args, run_dir)]
     env = {**os.environ, "OMP_NUM_THREADS": "1"}
-    p = subprocess.run(cmd, cwd=ROOT, capture_output=True, text=True, env=env)
-    if p.returncode == 2:  # train.py's bad input (e.g. a data path in the overrides): its one line
-        errors = [line for line in p.stderr.splitlines() if line.startswith("error")]
-        raise _cli.InputError(f"{name}: {errors[-1] if errors else p.stderr.strip()[-300:]}")
-    if p.returncode != 0:
-        raise SystemExit(f"{name} failed (exit {p.returncode}):\n{p.stderr[-3000:]}")
-    records = [json.loads(line) for line in (run_dir / "metrics.jsonl").read_text().splitlines()]
+    _cli.run_trainer(cmd, name, ROOT, env)
+    records = _cli.metrics_records(run_dir)
     losses = [r["loss"] for r in records if "loss" in r]
     tail = losses[-max(1, len(losses) // 10):]
     inter = [r["comm"]["by_link"].get("inter", 0) for r in records if "comm" in r]
